@@ -1,0 +1,32 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`  (each creates .venv and installs what it needs).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is only needed by the tests (the transformers reference). The default takes the CPU wheel that this
+# project's machines keep on disk; elsewhere use e.g.
+#   make test TORCH_SPEC=torch TORCH_INDEX="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+
+.PHONY: install install-test test demo clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+install: $(PY)
+	$(PY) -m pip install -q -e .
+
+install-test: $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+
+test: install-test
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+demo: install
+	$(PY) -m diffspec_jax.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,128 @@
+"""Tiny random checkpoints for tests and the interim demo, built offline.
+
+Two backends write the same Hugging Face layout:
+
+* ``"transformers"`` (needs torch): instantiates ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` from a
+  transformers config and calls ``save_pretrained``, so key names and shapes are transformers' own;
+* ``"numpy"`` (no torch): random params from :func:`diffspec_jax.models.llama.init_params`, written by
+  :func:`checkpoints_tools.hf.save_hf` with the config written by the transformers config class.
+
+Weights are random (normal, std ``scale``; norm weights ``1 + 0.2 * normal``, never all ones, so a missing norm
+weight is caught). Such models compute garbage text: they exist to check numerics, never quality.
+
+CLI::
+
+    python -m checkpoints_tools.make_tiny OUT_DIR [--arch llama|qwen3] [--backend numpy|transformers] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from diffspec_jax.config import ModelConfig, RopeConfig
+
+TINY_DEFAULTS: dict[str, dict[str, Any]] = {
+    # Llama-3.1 in miniature: GQA 4/2, llama3 rope whose original context (64) is far below max positions
+    "llama": dict(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  rms_norm_eps=1e-5, max_position_embeddings=1024, tie_word_embeddings=False,
+                  rope=RopeConfig(theta=10000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position_embeddings=64),
+                  bos_token_id=1, eos_token_ids=(2,)),
+    # Qwen3 in miniature: tied embeddings, q/k norm, head_dim (24) != hidden / heads (16)
+    "qwen3": dict(architecture="Qwen3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                  rms_norm_eps=1e-6, max_position_embeddings=1024, tie_word_embeddings=True,
+                  rope=RopeConfig(theta=1_000_000.0), bos_token_id=1, eos_token_ids=(2,)),
+}
+
+
+def tiny_config(arch: str = "llama", **overrides: Any) -> ModelConfig:
+    """A tiny :class:`ModelConfig` (``arch`` in ``llama`` / ``qwen3``) with any field overridden."""
+    if arch not in TINY_DEFAULTS:
+        raise ValueError(f"unknown tiny architecture {arch!r} (choose from {', '.join(TINY_DEFAULTS)})")
+    return ModelConfig(**{**TINY_DEFAULTS[arch], **overrides})
+
+
+def transformers_config(config: ModelConfig):
+    """The matching transformers config object (``LlamaConfig`` / ``Qwen3Config``)."""
+    import transformers
+
+    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[config.model_type]
+    return cls(**config.to_hf_dict())
+
+
+def make_tiny(out_dir: str | Path, arch: str = "llama", *, backend: str = "numpy", seed: int = 0,
+              dtype: str = "float32", scale: float = 0.08, max_shard_bytes: int | None = None,
+              **overrides: Any) -> Path:
+    """Write a tiny random checkpoint to ``out_dir`` and return the path.
+
+    Args:
+        arch: ``"llama"`` or ``"qwen3"``; ``overrides`` replace :data:`TINY_DEFAULTS` fields.
+        backend: ``"numpy"`` or ``"transformers"`` (see the module docstring).
+        dtype: ``"float32"`` or ``"bfloat16"`` on disk.
+        max_shard_bytes: write a sharded checkpoint with an index when the weights exceed this size.
+    """
+    config = tiny_config(arch, **overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if backend == "numpy":
+        import jax.numpy as jnp
+
+        from checkpoints_tools.hf import save_hf
+        from diffspec_jax.models.llama import init_params
+
+        params = init_params(config, seed=seed, dtype=jnp.float32, scale=scale)
+        save_hf(out, config, params, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        transformers_config(config).save_pretrained(out)  # transformers' own config.json
+        _mark_random(out, backend, seed)
+        return out
+    if backend != "transformers":
+        raise ValueError(f"unknown backend {backend!r} (choose numpy or transformers)")
+    import torch
+    import transformers
+
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[config.model_type]
+    torch.manual_seed(seed)
+    model = cls(transformers_config(config)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(scale * torch.randn_like(p))
+    model = model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+    kwargs = {"max_shard_size": max_shard_bytes} if max_shard_bytes else {}
+    model.save_pretrained(out, **kwargs)
+    _mark_random(out, backend, seed)
+    return out
+
+
+def _mark_random(out: Path, backend: str, seed: int) -> None:
+    (out / "RANDOM_WEIGHTS.json").write_text(json.dumps(
+        {"random": True, "backend": backend, "seed": seed,
+         "note": "random weights made by checkpoints_tools.make_tiny; outputs are meaningless"}) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m checkpoints_tools.make_tiny", description=__doc__.split("\n")[0])
+    ap.add_argument("out_dir")
+    ap.add_argument("--arch", default="llama", choices=sorted(TINY_DEFAULTS))
+    ap.add_argument("--backend", default="numpy", choices=["numpy", "transformers"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-shard-bytes", type=int, default=None)
+    args = ap.parse_args(argv)
+    path = make_tiny(args.out_dir, args.arch, backend=args.backend, seed=args.seed, dtype=args.dtype,
+                     max_shard_bytes=args.max_shard_bytes)
+    print(f"wrote random tiny {args.arch} checkpoint to {path}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["TINY_DEFAULTS", "tiny_config", "transformers_config", "make_tiny"]

@@ -1,0 +1,147 @@
+"""Building blocks shared by every model: RMSNorm, RoPE, GQA attention, SwiGLU.
+
+Conventions: activations are ``[batch, tokens, ...]``; attention heads are an explicit axis
+(``[B, T, heads, head_dim]``); weights are ``[in, out]`` (transposed from PyTorch). Normalisation statistics,
+softmax and log-sum-exp are computed in float32 whatever the activation dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: finite "minus infinity" for masked scores: keeps exp() and max() free of NaN on fully masked tiles
+NEG_INF = -1e30
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Llama RMSNorm: ``weight * (x * rsqrt(mean(x^2) + eps))``, statistics in float32.
+
+    Args:
+        x: ``[..., H]`` any float dtype. weight: ``[H]``.
+    Returns:
+        ``[..., H]`` in ``x.dtype`` (promoted with ``weight.dtype``).
+    """
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for integer positions.
+
+    Args:
+        positions: int ``[...]`` absolute (or local) positions.
+        inv_freq: float32 ``[R/2]`` from :meth:`RopeConfig.inv_freq`.
+    Returns:
+        ``(cos, sin)``, float32 ``[..., R/2]`` each (the half-width table; :func:`apply_rope` expands it).
+    """
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: bool = False) -> jax.Array:
+    """Rotate the first ``R = 2 * cos.shape[-1]`` dims of every head; the rest pass through.
+
+    Args:
+        x: ``[B, T, heads, D]``.
+        cos, sin: float32 ``[B, T, R/2]`` (from :func:`rope_cos_sin`).
+        interleaved: rotate pairs ``(x0, x1), (x2, x3), ...`` (GPT-J) instead of halves (Llama rotate-half).
+    Returns:
+        ``[B, T, heads, D]`` in ``x.dtype``; arithmetic in float32.
+    """
+    half = cos.shape[-1]
+    rot, rest = x[..., : 2 * half].astype(jnp.float32), x[..., 2 * half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    if interleaved:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = jnp.stack([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).reshape(rot.shape)
+    else:
+        x1, x2 = rot[..., :half], rot[..., half:]
+        out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return jnp.concatenate([out.astype(x.dtype), rest], axis=-1) if rest.shape[-1] else out.astype(x.dtype)
+
+
+def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    b, t, hq, d = q.shape
+    return q.reshape(b, t, num_kv_heads, hq // num_kv_heads, d)
+
+
+def attention_dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Grouped-query attention over all keys with an explicit mask (the reference form).
+
+    Args:
+        q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``.
+        mask: bool ``[B, T, S]``, true where query t may attend key s. Every row needs one true entry.
+        scale: softmax scale (``1/sqrt(D)``).
+    Returns:
+        ``(out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32)``; lse is the log-sum-exp of the scaled,
+        masked logits of each query row and head.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = _grouped(q, hkv)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
+    lse = jax.nn.logsumexp(s, axis=-1)
+    p = jnp.exp(s - lse[..., None])
+    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq)
+    return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype), lse
+
+
+def causal_mask(q_pos: jax.Array, num_keys: int) -> jax.Array:
+    """bool ``[B, T, S]``: key s is visible to the query at position p iff ``s <= p``."""
+    return jnp.arange(num_keys)[None, None, :] <= q_pos[:, :, None]
+
+
+def attention_tiled(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float, tile: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Causal GQA over a position-indexed cache, key tile by key tile (online softmax).
+
+    Never materialises more than ``[B, Hq, T, tile]`` scores, and visits only the tiles up to the largest
+    query position (a data-dependent trip count). Same contract as :func:`attention_dense` with
+    ``mask = causal_mask(q_pos, S)``.
+
+    Args:
+        q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]``, ``S % tile == 0``; q_pos: int ``[B, T]``.
+    """
+    b, t, hq, d = q.shape
+    s_len, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    if s_len % tile:
+        raise ValueError(f"cache length {s_len} is not a multiple of the attention tile {tile}")
+    qg = _grouped(q, hkv)
+    n_tiles = jnp.minimum((jnp.max(q_pos) + tile) // tile, s_len // tile)
+    qp = q_pos[:, None, None, :, None]
+
+    def body(i, carry):
+        m, l, acc = carry
+        start = i * tile
+        kt = jax.lax.dynamic_slice_in_dim(k, start, tile, axis=1)
+        vt = jax.lax.dynamic_slice_in_dim(v, start, tile, axis=1)
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, kt, preferred_element_type=jnp.float32) * scale
+        visible = (start + jnp.arange(tile))[None, None, None, None, :] <= qp
+        s = jnp.where(visible, s, NEG_INF)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), vt,
+                                                 preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((b, hkv, g, t), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, t), jnp.float32),
+            jnp.zeros((b, hkv, g, t, v.shape[-1]), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, n_tiles, body, init)
+    out = acc / l[..., None]
+    lse = m + jnp.log(l)
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, hq, v.shape[-1])
+    return out.astype(q.dtype), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU MLP: ``down(silu(x @ gate) * (x @ up))``. x ``[..., H]``; weights ``[H, I]``, ``[H, I]``, ``[I, H]``."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

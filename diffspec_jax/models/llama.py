@@ -1,0 +1,197 @@
+"""Llama-3.x and Qwen3 decoders as pure functions of a params pytree.
+
+Qwen3 is Llama plus a per-head RMSNorm on q and k before RoPE and an explicit ``head_dim``.
+
+Params pytree (weights ``[in, out]``; head axes explicit so tensor parallelism can split them)::
+
+    {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (absent when tied),
+     "layers": [ {"attn_norm": [H], "wq": [H, Hq, D], "wk": [H, Hkv, D], "wv": [H, Hkv, D],
+                  "wo": [Hq, D, H], "q_norm": [D], "k_norm": [D] (Qwen3 only),
+                  "mlp_norm": [H], "w_gate": [H, I], "w_up": [H, I], "w_down": [I, H]}, ... ]}
+
+The code is written for one tensor-parallel shard: head and intermediate counts come from the weight shapes,
+and when ``axis_name`` is given the row-parallel products (``wo``, ``w_down``) end in a ``psum`` over it.
+On one device (``axis_name=None``) the same code is the whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from diffspec_jax.cache import ATTENTION_TILE, KVCache, write_rows
+from diffspec_jax.config import ModelConfig
+from diffspec_jax.models.layers import (
+    apply_rope, attention_dense, attention_tiled, causal_mask, rms_norm, rope_cos_sin, swiglu,
+)
+
+Params = dict[str, Any]
+
+#: steps with at most this many new tokens per sequence attend densely over the cache; longer ones (prefill
+#: chunks) use the tiled online-softmax path, which never builds a [T, S] score matrix
+DENSE_ATTENTION_MAX_TOKENS = 64
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The params pytree with shape tuples as leaves (the layout every loader must produce)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    layer = {"attn_norm": (h,), "wq": (h, hq, d), "wk": (h, hkv, d), "wv": (h, hkv, d), "wo": (hq, d, h),
+             "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
+    if config.qk_norm:
+        layer.update(q_norm=(d,), k_norm=(d,))
+    tree: Params = {"embed": (config.vocab_size, h), "final_norm": (h,),
+                    "layers": [dict(layer) for _ in range(config.num_hidden_layers)]}
+    if not config.tie_word_embeddings:
+        tree["lm_head"] = (h, config.vocab_size)
+    return tree
+
+
+def is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+def init_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.08) -> Params:
+    """Random params (normal weights with std ``scale``; norm weights ``1 + 0.2 * normal``) for tests and demos."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, shape):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            arr = 1.0 + 0.2 * rng.standard_normal(shape)
+        else:
+            arr = scale * rng.standard_normal(shape)
+        return jnp.asarray(arr, dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config), is_leaf=is_shape)
+
+
+@struct.dataclass
+class StepOutput:
+    """What one target step returns besides the updated cache.
+
+    Attributes:
+        logits: float32 ``[B, R, V]`` at the requested rows.
+        aux: ``[B, T, A * H]`` residual-stream inputs of the requested layers (HF ``hidden_states`` indices),
+            concatenated in the requested order, for every new token; ``None`` when no layer was requested.
+        score_q: float32 ``[B, R, Hq_local, D]`` post-norm, post-RoPE queries of the scoring layer at the rows.
+        score_lse: float32 ``[B, R, Hq_local]`` their log-sum-exp over every visible key (scaled logits).
+    """
+
+    logits: jax.Array
+    aux: jax.Array | None = None
+    score_q: jax.Array | None = None
+    score_lse: jax.Array | None = None
+
+
+def _lm_head(config: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+    x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        return jnp.einsum("bth,vh->btv", x, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("bth,hv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def _attention_block(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                     attend, axis_name: str | None):
+    """Pre-norm attention sub-block. ``attend(q, k, v) -> (out, lse)`` decides where keys come from."""
+    h = rms_norm(x, lp["attn_norm"], config.rms_norm_eps)
+    q = jnp.einsum("bth,hnd->btnd", h, lp["wq"])
+    k = jnp.einsum("bth,hnd->btnd", h, lp["wk"])
+    v = jnp.einsum("bth,hnd->btnd", h, lp["wv"])
+    if config.qk_norm:
+        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
+    q = apply_rope(q, cos, sin, interleaved=config.rope.interleaved)
+    k = apply_rope(k, cos, sin, interleaved=config.rope.interleaved)
+    out, lse = attend(q, k, v)
+    o = jnp.einsum("btnd,ndh->bth", out, lp["wo"])
+    if axis_name is not None:
+        o = jax.lax.psum(o, axis_name)
+    return x + o, q, lse
+
+
+def _mlp_block(config: ModelConfig, lp: Params, x: jax.Array, axis_name: str | None) -> jax.Array:
+    m = swiglu(rms_norm(x, lp["mlp_norm"], config.rms_norm_eps), lp["w_gate"], lp["w_up"], lp["w_down"])
+    if axis_name is not None:
+        m = jax.lax.psum(m, axis_name)
+    return x + m
+
+
+def forward(config: ModelConfig, params: Params, tokens: jax.Array, *, axis_name: str | None = None) -> jax.Array:
+    """Full-sequence forward without a cache (the reference path).
+
+    Args:
+        tokens: int32 ``[B, T]``, every sequence starting at position 0.
+    Returns:
+        float32 logits ``[B, T, V]``.
+    """
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
+    mask = causal_mask(positions, t)
+    scale = config.head_dim ** -0.5
+    x = params["embed"][tokens]
+    for lp in params["layers"]:
+        x, _, _ = _attention_block(config, lp, x, cos, sin,
+                                   lambda q, k, v: attention_dense(q, k, v, mask, scale), axis_name)
+        x = _mlp_block(config, lp, x, axis_name)
+    return _lm_head(config, params, x)
+
+
+def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, start: jax.Array,
+         rows: jax.Array, *, aux_layers: tuple[int, ...] = (), score_layer: int | None = None,
+         axis_name: str | None = None) -> tuple[StepOutput, KVCache]:
+    """Run ``T`` new tokens per sequence against the cache and write their K/V into it.
+
+    Serves prefill chunks (T = chunk), decode (T = 1) and verification (T = K + 1) with one code path.
+
+    Args:
+        cache: the :class:`KVCache` (donate it under ``jit``; it is updated in place).
+        tokens: int32 ``[B, T]`` new tokens; sequence b's token t sits at absolute position ``start[b] + t``.
+        start: int32 ``[B]`` position of each sequence's first new token (= its committed length).
+        rows: int32 ``[B, R]`` rows of ``tokens`` whose logits (and scoring query / LSE) are returned.
+        aux_layers: HF ``hidden_states`` indices (0..L-1; index i = input of layer i) to return for all T rows.
+        score_layer: layer whose post-RoPE queries and LSE are returned at ``rows`` (``None``: none).
+        axis_name: tensor-parallel mesh axis (``None`` on one device).
+    Returns:
+        ``(StepOutput, updated cache)``. Positions ``>= capacity`` are not written (and must not be queried).
+    """
+    b, t = tokens.shape
+    positions = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
+    scale = config.head_dim ** -0.5
+    capacity = cache.capacity
+    dense = t <= DENSE_ATTENTION_MAX_TOKENS
+    mask = causal_mask(positions, capacity) if dense else None
+    x = params["embed"][tokens]
+    aux, new_k, new_v = [], [], []
+    score_q = score_lse = None
+    for i, lp in enumerate(params["layers"]):
+        aux.extend((j, x) for j, a in enumerate(aux_layers) if a == i)
+        k_buf, v_buf = cache.k[i], cache.v[i]
+
+        def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
+            kb, vb = write_rows(k_buf, k, positions), write_rows(v_buf, v, positions)
+            new_k.append(kb)
+            new_v.append(vb)
+            if dense:
+                return attention_dense(q, kb, vb, mask, scale)
+            return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, capacity))
+
+        x, q, lse = _attention_block(config, lp, x, cos, sin, attend, axis_name)
+        if i == score_layer:
+            score_q = jnp.take_along_axis(q.astype(jnp.float32), rows[:, :, None, None], axis=1)
+            score_lse = jnp.take_along_axis(lse, rows[:, :, None], axis=1)
+        x = _mlp_block(config, lp, x, axis_name)
+    logits = _lm_head(config, params, jnp.take_along_axis(x, rows[:, :, None], axis=1))
+    aux_out = None
+    if aux_layers:
+        if len(aux) != len(aux_layers):
+            raise ValueError(f"aux layers {aux_layers} must be HF indices in 0..{len(params['layers']) - 1}")
+        aux_out = jnp.concatenate([a for _, a in sorted(aux, key=lambda p: p[0])], axis=-1)
+    return StepOutput(logits=logits, aux=aux_out, score_q=score_q, score_lse=score_lse), KVCache(
+        k=tuple(new_k), v=tuple(new_v))

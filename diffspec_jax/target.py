@@ -1,0 +1,190 @@
+"""The target model handle: loading, the jitted full forward, chunked prefill and cached steps.
+
+Public entry points (re-exported by :mod:`diffspec_jax`):
+
+* :func:`load_target` -- a Hugging Face (safetensors, sharded or not) or Orbax directory -> :class:`TargetModel`;
+* :func:`forward` -- int32 ``[B, T]`` -> float32 logits ``[B, T, V]`` (jit-compiled, full sequence, no cache).
+
+Engine-facing helpers: :func:`step_fn` (the jitted cached step, cache donated), :func:`prefill` (chunked
+prefill of ragged prompts) and :func:`plan_prefill`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffspec_jax.cache import KVCache
+from diffspec_jax.config import ModelConfig
+from diffspec_jax.errors import ConfigError, InputError
+from diffspec_jax.models import llama
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+#: default prefill chunk: long prompts are processed this many tokens at a time
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def resolve_dtype(dtype: Any) -> Any:
+    """``"bfloat16"`` / ``"float32"`` / ``"float16"`` (or the jnp dtype) -> jnp dtype; anything else is refused."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is not supported (choose one of {', '.join(DTYPES)})")
+        return DTYPES[dtype]
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in DTYPES.values()]:
+        raise ConfigError(f"dtype {dtype} is not supported (choose one of {', '.join(DTYPES)})")
+    return jnp.dtype(dtype).type
+
+
+@dataclass(frozen=True, eq=False)
+class TargetModel:
+    """A loaded target: its config and params pytree (layout in :mod:`diffspec_jax.models.llama`)."""
+
+    config: ModelConfig
+    params: llama.Params
+    path: str | None = None
+
+    @property
+    def dtype(self):
+        return self.params["embed"].dtype
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"TargetModel({c.architecture}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
+                f"vocab={c.vocab_size}, dtype={self.dtype}, path={self.path!r})")
+
+
+def abstract_params(config: ModelConfig, dtype) -> llama.Params:
+    """Pytree of ``jax.ShapeDtypeStruct`` matching :func:`llama.param_shapes`."""
+    dtype = resolve_dtype(dtype)
+    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, dtype), llama.param_shapes(config),
+                                  is_leaf=llama.is_shape)
+
+
+def load_target(path: str | Path, dtype: Any = "bfloat16") -> TargetModel:
+    """Load a target from a Hugging Face directory or an Orbax checkpoint written by ``checkpoints_tools``.
+
+    Args:
+        path: directory with ``config.json`` and ``model.safetensors`` / ``model.safetensors.index.json``, or an
+            Orbax checkpoint directory.
+        dtype: parameter dtype, ``"bfloat16"`` (default) or ``"float32"``.
+    Raises:
+        CheckpointError: missing directory / files / tensors, or shapes that do not match ``config.json``.
+        UnsupportedModelError: architecture, RoPE type or feature not supported.
+    """
+    from checkpoints_tools import hf, orbax_io
+
+    path = hf.check_dir(path)
+    dtype = resolve_dtype(dtype)
+    config = ModelConfig.from_pretrained(path)
+    if orbax_io.is_orbax_dir(path):
+        params = orbax_io.load_orbax(path, abstract_params(config, dtype))
+    else:
+        params = hf.load_hf_params(path, config, dtype)
+    return TargetModel(config=config, params=params, path=str(path))
+
+
+def check_token_ids(token_ids: Any, vocab_size: int, what: str = "token_ids") -> np.ndarray:
+    """Validate integer token ids in ``[0, vocab_size)``; returns them as int32."""
+    arr = np.asarray(token_ids)
+    if arr.size == 0:
+        raise InputError(f"{what} is empty")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise InputError(f"{what} must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= vocab_size:
+        raise InputError(f"{what} must lie in [0, {vocab_size}) (the vocabulary), got values in [{lo}, {hi}]")
+    return arr.astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_jit(config: ModelConfig, params, tokens):
+    return llama.forward(config, params, tokens)
+
+
+def forward(model: TargetModel, token_ids: Any) -> jax.Array:
+    """Full-sequence logits without a cache (the reference path).
+
+    Args:
+        token_ids: int ``[B, T]`` (a ``[T]`` vector is treated as batch 1).
+    Returns:
+        float32 ``[B, T, V]``.
+    """
+    ids = check_token_ids(token_ids, model.config.vocab_size)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2:
+        raise InputError(f"token_ids must be [batch, tokens], got shape {ids.shape}")
+    return _forward_jit(model.config, model.params, jnp.asarray(ids))
+
+
+#: the cached step, jitted once per (config, shapes, aux layers, scoring layer); the cache is donated
+step_fn = jax.jit(llama.step, static_argnames=("config", "aux_layers", "score_layer", "axis_name"),
+                  donate_argnames=("cache",))
+
+
+def bucket(n: int, lo: int = 16, hi: int = DEFAULT_PREFILL_CHUNK) -> int:
+    """Smallest power of two >= n, clipped to [lo, hi] (bounds the number of compiled chunk shapes)."""
+    return int(min(hi, max(lo, 1 << max(0, int(n) - 1).bit_length())))
+
+
+def plan_prefill(lengths: Sequence[int], chunk: int = DEFAULT_PREFILL_CHUNK) -> tuple[int, int]:
+    """Chunk width and number of chunks that cover the longest prompt."""
+    width = bucket(max(lengths), hi=chunk)
+    return width, -(-max(lengths) // width)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], width: int, pad_id: int = 0) -> np.ndarray:
+    """Right-pad prompts to ``[B, width]`` int32 (padding rows are written beyond each prompt and never read)."""
+    out = np.full((len(prompts), width), pad_id, np.int32)
+    for b, p in enumerate(prompts):
+        out[b, : len(p)] = p
+    return out
+
+
+def prefill(model: TargetModel, cache: KVCache, prompts: Sequence[Sequence[int]], *,
+            chunk: int = DEFAULT_PREFILL_CHUNK) -> tuple[jax.Array, KVCache]:
+    """Chunked prefill of ragged prompts into a fresh cache.
+
+    Args:
+        prompts: ``B`` non-empty token-id lists (lengths may differ; ``B`` must equal ``cache.batch``).
+        chunk: maximum chunk width; a 128K prompt is processed ``chunk`` tokens at a time and attention visits
+            the cache tile by tile, so no ``[T, T]`` score matrix is ever built.
+    Returns:
+        ``(logits [B, V] of each prompt's last token, updated cache)``.
+    """
+    lengths = [len(p) for p in prompts]
+    if len(prompts) != cache.batch:
+        raise InputError(f"{len(prompts)} prompts for a cache of batch {cache.batch}")
+    if min(lengths) == 0:
+        raise InputError("a prompt is empty; every prompt needs at least one token")
+    if max(lengths) > cache.capacity:
+        raise InputError(f"a prompt of {max(lengths)} tokens does not fit the cache capacity of {cache.capacity}")
+    for p in prompts:
+        check_token_ids(p, model.config.vocab_size, "prompt")
+    width, n_chunks = plan_prefill(lengths, chunk)
+    tokens = pad_prompts(prompts, width * n_chunks)
+    last = np.asarray(lengths) - 1
+    logits = None
+    for c in range(n_chunks):
+        start = np.full(len(prompts), c * width, np.int32)
+        rows = np.clip(last - c * width, 0, width - 1).astype(np.int32)[:, None]
+        out, cache = step_fn(model.config, model.params, cache, jnp.asarray(tokens[:, c * width:(c + 1) * width]),
+                             jnp.asarray(start), jnp.asarray(rows))
+        in_chunk = jnp.asarray((last >= c * width) & (last < (c + 1) * width))[:, None]
+        logits = out.logits[:, 0] if logits is None else jnp.where(in_chunk, out.logits[:, 0], logits)
+    return logits, cache
+
+
+def decode(model: TargetModel, cache: KVCache, tokens: Any, start: Any) -> tuple[jax.Array, KVCache]:
+    """One cached step of ``T`` tokens per sequence; returns float32 logits ``[B, T, V]`` and the cache."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    b, t = tokens.shape
+    rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out, cache = step_fn(model.config, model.params, cache, tokens, jnp.asarray(start, jnp.int32), rows)
+    return out.logits, cache

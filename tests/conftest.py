@@ -1,0 +1,59 @@
+"""Shared fixtures. Four virtual CPU devices are configured before JAX is imported (tensor-parallel tests)."""
+
+import os
+
+_flag = "--xla_force_host_platform_device_count=4"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ARCHS = ("llama", "qwen3")
+
+
+def rel_err(actual, expected) -> float:
+    """max |actual - expected| / max |expected| (a norm-relative error; elementwise ratios blow up near 0)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Tiny random float32 checkpoints written by transformers itself: {"llama": dir, "qwen3": dir}."""
+    from checkpoints_tools.make_tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny(root / arch, arch, backend="transformers", seed=11 + i)
+            for i, arch in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_dirs):
+    """The transformers (torch, float32, eager attention) reference models."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    return {arch: transformers.AutoModelForCausalLM.from_pretrained(
+        d, dtype=torch.float32, attn_implementation="eager").eval() for arch, d in tiny_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def targets(tiny_dirs):
+    """Our float32 targets loaded from the same directories."""
+    from diffspec_jax import load_target
+
+    return {arch: load_target(d, dtype="float32") for arch, d in tiny_dirs.items()}
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()

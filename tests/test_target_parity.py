@@ -1,0 +1,99 @@
+"""Target logits against Hugging Face transformers (torch CPU, float32): forward, chunked prefill, cached steps."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ARCHS, hf_logits, rel_err
+from diffspec_jax import forward, target as tgt
+from diffspec_jax.cache import KVCache
+from diffspec_jax.models.llama import DENSE_ATTENTION_MAX_TOKENS
+from diffspec_jax.utils import CompileCounter
+
+TOL = 1e-4
+LENGTHS = (37, 300, 150)  # ragged; 300 > 4.5x the llama3 original context (64) of the tiny Llama
+
+
+@pytest.fixture(scope="module")
+def sequences():
+    return np.random.default_rng(1234).integers(0, 256, size=(len(LENGTHS), 320))
+
+
+@pytest.fixture(scope="module")
+def reference(hf_models, sequences):
+    return {arch: hf_logits(hf_models[arch], sequences) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_matches_transformers(arch, targets, sequences, reference):
+    ours = np.asarray(forward(targets[arch], sequences))
+    assert ours.dtype == np.float32 and ours.shape == reference[arch].shape
+    assert rel_err(ours, reference[arch]) <= TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_then_cached_steps_match_transformers(arch, targets, sequences, reference):
+    """Ragged prefill in 128-token chunks (the tiled attention path), then T=1 and T=5 steps."""
+    model, ref = targets[arch], reference[arch]
+    assert 128 > DENSE_ATTENTION_MAX_TOKENS  # the chunks below take the tiled path
+    cache = KVCache.create(model.config, len(LENGTHS), 400, jnp.float32)
+    logits, cache = tgt.prefill(model, cache, [list(s[:n]) for s, n in zip(sequences, LENGTHS)], chunk=128)
+    for b, n in enumerate(LENGTHS):
+        assert rel_err(logits[b], ref[b, n - 1]) <= TOL
+    start = np.array(LENGTHS)
+    for t in (1, 5, 1, 5):
+        toks = np.stack([sequences[b, start[b]:start[b] + t] for b in range(len(LENGTHS))])
+        step_logits, cache = tgt.decode(model, cache, toks, start)
+        for b in range(len(LENGTHS)):
+            assert rel_err(step_logits[b], ref[b, start[b]:start[b] + t]) <= TOL
+        start = start + t
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ragged_batch_equals_each_prompt_alone(arch, targets, sequences):
+    model = targets[arch]
+    prompts = [list(s[:n]) for s, n in zip(sequences, LENGTHS)]
+    batch_cache = KVCache.create(model.config, 3, 320, jnp.float32)
+    batch_logits, batch_cache = tgt.prefill(model, batch_cache, prompts, chunk=64)
+    nxt = np.array([[p[-1]] for p in prompts])
+    batch_step, _ = tgt.decode(model, batch_cache, nxt, [len(p) for p in prompts])
+    for b, p in enumerate(prompts):
+        cache = KVCache.create(model.config, 1, 320, jnp.float32)
+        alone, cache = tgt.prefill(model, cache, [p], chunk=64)
+        alone_step, _ = tgt.decode(model, cache, nxt[b:b + 1], [len(p)])
+        np.testing.assert_allclose(batch_logits[b], alone[0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(batch_step[b], alone_step[0], rtol=0, atol=1e-5)
+
+
+def test_decode_steps_do_not_recompile(targets):
+    model = targets["llama"]
+    rng = np.random.default_rng(7)
+    cache = KVCache.create(model.config, 2, 128, jnp.float32)
+    _, cache = tgt.prefill(model, cache, [list(rng.integers(0, 256, 9)), list(rng.integers(0, 256, 4))])
+    pos = np.array([9, 4])
+    _, cache = tgt.decode(model, cache, rng.integers(0, 256, (2, 1)), pos)  # warm-up compile
+    pos += 1
+    with CompileCounter() as counter:
+        for _ in range(24):
+            _, cache = tgt.decode(model, cache, rng.integers(0, 256, (2, 1)), pos)
+            pos += 1
+    assert counter.count == 0
+
+
+def test_bfloat16_params_track_float32(tiny_dirs, targets, sequences):
+    from diffspec_jax import load_target
+
+    bf16 = load_target(tiny_dirs["llama"])  # the default dtype
+    assert bf16.dtype == jnp.bfloat16
+    ours = np.asarray(forward(bf16, sequences[:1, :64]))
+    assert ours.dtype == np.float32
+    assert rel_err(ours, forward(targets["llama"], sequences[:1, :64])) < 5e-2
+
+
+def test_forward_rejects_bad_token_ids(targets):
+    from diffspec_jax.errors import InputError
+
+    with pytest.raises(InputError, match=r"must lie in \[0, 256\)"):
+        forward(targets["llama"], [[1, 2, 256]])
+    with pytest.raises(InputError, match="empty"):
+        forward(targets["llama"], np.zeros((1, 0), np.int32))
