@@ -285,3 +285,53 @@ def iter_weight_files(path: str | Path) -> Iterator[Path]:
     """Every weight file of a checkpoint directory (safetensors shards, single file, or .bin)."""
     path = check_dir(path)
     yield from sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
+
+
+# ------------------------------------------------------------------------------------------- EAGLE-3 drafts
+DRAFT_LAYER_PREFIXES = ("midlayer.", "layers.0.")
+
+
+def eagle3_tensor_maps(config, num_aux: int, layer_prefix: str = "midlayer.", own_embedding: bool = False
+                       ) -> dict[str, TensorMap]:
+    """HF key -> :class:`TensorMap` for a SpecForge / vLLM EAGLE-3 draft (``d2t``/``t2d`` handled separately)."""
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    p = layer_prefix
+    maps = {
+        "fc.weight": linear_map(("fc",), h, num_aux * config.target_hidden_size),
+        f"{p}hidden_norm.weight": copy_map(("hidden_norm",), (h,)),
+        f"{p}input_layernorm.weight": copy_map(("input_norm",), (h,)),
+        f"{p}self_attn.q_proj.weight": linear_map(("wq",), hq * d, 2 * h, (2 * h, hq, d)),
+        f"{p}self_attn.k_proj.weight": linear_map(("wk",), hkv * d, 2 * h, (2 * h, hkv, d)),
+        f"{p}self_attn.v_proj.weight": linear_map(("wv",), hkv * d, 2 * h, (2 * h, hkv, d)),
+        f"{p}self_attn.o_proj.weight": linear_map(("wo",), h, hq * d, (hq, d, h)),
+        f"{p}post_attention_layernorm.weight": copy_map(("mlp_norm",), (h,)),
+        f"{p}mlp.gate_proj.weight": linear_map(("w_gate",), i, h),
+        f"{p}mlp.up_proj.weight": linear_map(("w_up",), i, h),
+        f"{p}mlp.down_proj.weight": linear_map(("w_down",), h, i),
+        "norm.weight": copy_map(("final_norm",), (h,)),
+        "lm_head.weight": linear_map(("lm_head",), config.draft_vocab_size, h),
+    }
+    if own_embedding:
+        maps["embed_tokens.weight"] = copy_map(("embed",), (config.vocab_size, h))
+    return maps
+
+
+def save_eagle3(path: str | Path, config, params: dict, *, num_aux: int = 3, dtype: str | None = None,
+                own_embedding: bool = False) -> Path:
+    """Write a draft in the SpecForge/vLLM layout: ``config.json`` + ``model.safetensors`` with ``d2t``/``t2d``
+    (both omitted when the vocabularies are equal, as EAGLE does)."""
+    path = Path(path)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, None: None}[dtype]
+    tensors = export_tensors(params, eagle3_tensor_maps(config, num_aux, own_embedding=own_embedding), np_dtype)
+    if config.draft_vocab_size != config.vocab_size:
+        d2t = np.asarray(jax.device_get(params["d2t"]), np.int64)
+        t2d = np.zeros(config.vocab_size, bool)
+        t2d[d2t + np.arange(len(d2t))] = True
+        tensors.update(d2t=d2t, t2d=t2d)
+    write_safetensors(path, tensors)
+    cfg = config.to_hf_dict()
+    if dtype:
+        cfg["torch_dtype"] = dtype
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return path

@@ -22,7 +22,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from diffspec_jax.config import ModelConfig, RopeConfig
+import numpy as np
+
+from diffspec_jax.config import DraftConfig, ModelConfig, RopeConfig
 
 TINY_DEFAULTS: dict[str, dict[str, Any]] = {
     # Llama-3.1 in miniature: GQA 4/2, llama3 rope whose original context (64) is far below max positions
@@ -101,6 +103,38 @@ def make_tiny(out_dir: str | Path, arch: str = "llama", *, backend: str = "numpy
     return out
 
 
+def tiny_draft_config(target: ModelConfig, draft_vocab_size: int | None = None, **overrides: Any) -> DraftConfig:
+    """A tiny EAGLE-3 draft config for ``target`` (hidden size shared, 4 heads / 2 KV heads, RoPE theta 10000)."""
+    fields: dict[str, Any] = dict(hidden_size=target.hidden_size, num_attention_heads=4, num_key_value_heads=2,
+                                  head_dim=16, intermediate_size=2 * target.hidden_size, vocab_size=target.vocab_size,
+                                  draft_vocab_size=draft_vocab_size or target.vocab_size,
+                                  target_hidden_size=target.hidden_size, rms_norm_eps=1e-5,
+                                  max_position_embeddings=2048, rope=RopeConfig(theta=10000.0))
+    return DraftConfig(**{**fields, **overrides})
+
+
+def make_tiny_draft(out_dir: str | Path, target: ModelConfig, *, draft_vocab_size: int | None = None, seed: int = 0,
+                    dtype: str = "float32", scale: float = 0.08, used_ids: np.ndarray | None = None,
+                    own_embedding: bool = False, **overrides: Any) -> Path:
+    """Write a random EAGLE-3 draft for ``target`` in the SpecForge / vLLM layout (``fc``, ``midlayer.*``,
+    ``norm``, ``lm_head``, ``d2t``, ``t2d``; ``embed_tokens`` only with ``own_embedding``).
+
+    ``draft_vocab_size`` < the target vocabulary picks ``used_ids`` (default: random) as the draft vocabulary.
+    """
+    import jax.numpy as jnp
+
+    from checkpoints_tools.hf import save_eagle3
+    from diffspec_jax.models import eagle3
+
+    config = tiny_draft_config(target, draft_vocab_size, **overrides)
+    params = eagle3.init_params(config, num_aux=3, seed=seed, dtype=jnp.float32, scale=scale, used_ids=used_ids,
+                                own_embedding=own_embedding)
+    out = Path(out_dir)
+    save_eagle3(out, config, params, dtype=dtype, own_embedding=own_embedding)
+    _mark_random(out, "numpy", seed)
+    return out
+
+
 def _mark_random(out: Path, backend: str, seed: int) -> None:
     (out / "RANDOM_WEIGHTS.json").write_text(json.dumps(
         {"random": True, "backend": backend, "seed": seed,
@@ -125,4 +159,4 @@ if __name__ == "__main__":
     main()
 
 
-__all__ = ["TINY_DEFAULTS", "tiny_config", "transformers_config", "make_tiny"]
+__all__ = ["TINY_DEFAULTS", "tiny_config", "tiny_draft_config", "transformers_config", "make_tiny", "make_tiny_draft"]

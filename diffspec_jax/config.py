@@ -332,3 +332,260 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------------------------------- draft
+AUX_CONVENTIONS = ("auto", "hf", "output")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """A one-layer EAGLE-3 draft, as read from its ``config.json``.
+
+    Attributes:
+        vocab_size: the **target** vocabulary (token inputs and d2t outputs live there).
+        draft_vocab_size: size of the draft's output head (``lm_head``); equals ``vocab_size`` when absent.
+        target_hidden_size: width of each target aux state (``fc`` input = ``len(aux) * target_hidden_size``).
+        rope: the draft's own RoPE (EAGLE-3 training configs carry no ``rope_theta``: default 10000).
+        aux_layer_ids: aux layers as HF ``hidden_states`` indices (index i = input of target layer i), or
+            ``None`` for the target's default ``(2, L // 2, L - 3)``.
+        norm_before_residual: the residual is ``hidden_norm(g)`` instead of ``g`` (vLLM "speculators" drafts).
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    aux_layer_ids: tuple[int, ...] | None = None
+    norm_before_residual: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "vocab_size", "draft_vocab_size", "target_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ConfigError(f"draft {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(f"draft num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ConfigError(f"draft_vocab_size ({self.draft_vocab_size}) exceeds vocab_size ({self.vocab_size})")
+        self.rope.rotary_dim(self.head_dim)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], *, source: str = "config.json", aux_convention: str = "auto"
+                  ) -> DraftConfig:
+        """Parse an EAGLE-3 draft config (EAGLE, SpecForge and vLLM spellings).
+
+        Args:
+            aux_convention: how explicit aux ids are read: ``"hf"`` (HF ``hidden_states`` indices, the EAGLE and
+                vLLM convention), ``"output"`` (output-of-layer ids, SpecForge: +1), or ``"auto"`` (SGLang's rule:
+                a first id of 1 means output-of-layer ids).
+        """
+        if aux_convention not in AUX_CONVENTIONS:
+            raise ConfigError(f"aux_convention must be one of {AUX_CONVENTIONS}, got {aux_convention!r}")
+        if "transformer_layer_config" in d:
+            raise UnsupportedModelError(f"{source}: the vLLM 'speculators' nested draft format is not supported; "
+                                        f"flatten transformer_layer_config into the top level")
+        layers = d.get("num_hidden_layers", 1)
+        if layers != 1:
+            raise UnsupportedModelError(f"{source}: an EAGLE-3 draft has exactly one layer, this one has {layers}")
+        eagle = d.get("eagle_config") or {}
+        if eagle.get("use_aux_hidden_state") is False:
+            raise UnsupportedModelError(f"{source}: use_aux_hidden_state=false (EAGLE-1 style draft) is not supported")
+        for key in ("fc_norm", "norm_before_fc"):
+            if d.get(key) or eagle.get(key):
+                raise UnsupportedModelError(f"{source}: {key} drafts (RMSNorm on aux states before fc) are not "
+                                            f"supported")
+        if d.get("norm_output") is False:
+            raise UnsupportedModelError(f"{source}: norm_output=false is not supported")
+        if d.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"{source}: draft hidden_act {d['hidden_act']!r} is not supported")
+        hidden = int(_require(d, "hidden_size", source))
+        heads = int(_require(d, "num_attention_heads", source))
+        vocab = int(_require(d, "vocab_size", source))
+        ids = d.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
+        aux: tuple[int, ...] | None = None
+        if ids is not None:
+            aux = tuple(int(i) for i in ids)
+            if aux_convention == "output" or (aux_convention == "auto" and aux and aux[0] == 1):
+                aux = tuple(i + 1 for i in aux)
+        max_pos = int(d.get("max_position_embeddings") or 2048)
+        return cls(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            intermediate_size=int(_require(d, "intermediate_size", source)),
+            vocab_size=vocab,
+            draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(d.get("target_hidden_size") or hidden),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=max_pos,
+            rope=parse_rope(d, max_pos),
+            aux_layer_ids=aux,
+            norm_before_residual=bool(d.get("norm_before_residual", False)),
+        )
+
+    def resolve_aux_layers(self, target: ModelConfig) -> tuple[int, ...]:
+        """Aux layers as HF indices for ``target``, validated to lie in ``0 .. L-1``."""
+        n = target.num_hidden_layers
+        ids = self.aux_layer_ids if self.aux_layer_ids is not None else (2, n // 2, n - 3)
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ConfigError(
+                f"aux layer ids {list(ids)} (HF hidden_states indices) are out of range for a target with {n} "
+                f"layers: valid ids are 0..{n - 1} (index {n} is the post-final-norm output, never an aux state)")
+        return tuple(ids)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size, "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+            "tie_word_embeddings": False, "rope_parameters": self.rope.to_hf(),
+        }
+        if self.target_hidden_size != self.hidden_size:
+            d["target_hidden_size"] = self.target_hidden_size
+        if self.aux_layer_ids is not None:
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+        if self.norm_before_residual:
+            d["norm_before_residual"] = True
+        return d
+
+
+# ------------------------------------------------------------------------------------------ decoding configs
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen from the target distribution.
+
+    Attributes:
+        temperature: 0 (default) = greedy; > 0 samples from ``softmax(logits / temperature)``.
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0 = off).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and math.isfinite(
+                self.temperature)):
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+DRAFT_CONTEXT_POLICIES = ("full", "recent", "diffspec")
+DIFFSPEC_SCORERS = ("attention", "salience")
+DRAFT_SAMPLING = ("argmax", "sample")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings (key names follow the earlier vLLM plugin's ``speculative_config``).
+
+    Attributes (defaults in brackets):
+        num_speculative_tokens: K, the chain depth drafted per cycle [4].
+        draft_context_policy: what the draft attends to [``"full"``]: ``"full"`` = its whole store (plain
+            EAGLE-3); ``"recent"`` = the last ``budget - K - 1`` positions (sliding-window drafter);
+            ``"diffspec"`` = target-guided chunks + a rolling recent window in a fixed-capacity working cache.
+        draft_sampling: how the draft proposes when sampling [``"argmax"``]: ``"argmax"`` (one-hot q, as EAGLE-3
+            and vLLM) or ``"sample"`` (drawn from the draft's processed distribution; verification uses that q).
+            Greedy decoding always drafts by argmax.
+        diffspec_chunk_size: C, tokens per retrieval chunk [64]; > 0 and divides the budget.
+        diffspec_token_budget: B, working-cache capacity per sequence [2048]; the history budget
+            ``Hb = floor((B - K - 1) / C) * C`` must hold at least one chunk (two with the sink chunk).
+        diffspec_retrieval_interval: N, verification cycles between retrievals [4].
+        diffspec_keep_sink_chunk: always keep chunk 0 [False].
+        diffspec_retrieve_after_prefill: retrieve once right after prefill [True].
+        diffspec_adaptive_profile: adapt the retrieval interval (double up to 32 on stable selections) [False].
+        diffspec_scorer: ``"attention"`` (exact target attention probabilities) or ``"salience"`` (chunk key
+            summaries scored against the draft's query, no target query needed) [``"attention"``].
+        diffspec_redundancy_weight: discount a chunk by its similarity to chunks already selected [0.0].
+        diffspec_scoring_layer: target layer whose attention scores chunks [None = last full-attention layer].
+    """
+
+    num_speculative_tokens: int = 4
+    draft_context_policy: str = "full"
+    draft_sampling: str = "argmax"
+    diffspec_chunk_size: int = 64
+    diffspec_token_budget: int = 2048
+    diffspec_retrieval_interval: int = 4
+    diffspec_keep_sink_chunk: bool = False
+    diffspec_retrieve_after_prefill: bool = True
+    diffspec_adaptive_profile: bool = False
+    diffspec_scorer: str = "attention"
+    diffspec_redundancy_weight: float = 0.0
+    diffspec_scoring_layer: int | None = None
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+            raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.draft_context_policy not in DRAFT_CONTEXT_POLICIES:
+            raise ConfigError(f"draft_context_policy must be one of {DRAFT_CONTEXT_POLICIES}, got "
+                              f"{self.draft_context_policy!r}")
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            raise ConfigError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {self.draft_sampling!r}")
+        if self.diffspec_scorer not in DIFFSPEC_SCORERS:
+            raise ConfigError(f"diffspec_scorer must be one of {DIFFSPEC_SCORERS}, got {self.diffspec_scorer!r}")
+        for name in ("diffspec_chunk_size", "diffspec_token_budget", "diffspec_retrieval_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.diffspec_redundancy_weight, (int, float)) and self.diffspec_redundancy_weight >= 0):
+            raise ConfigError(f"diffspec_redundancy_weight must be >= 0, got {self.diffspec_redundancy_weight!r}")
+        if self.diffspec_scoring_layer is not None and (
+                not isinstance(self.diffspec_scoring_layer, (int, np.integer)) or self.diffspec_scoring_layer < 0):
+            raise ConfigError(f"diffspec_scoring_layer must be a layer index >= 0 or None, got "
+                              f"{self.diffspec_scoring_layer!r}")
+        if self.uses_working_cache:
+            c, b = self.diffspec_chunk_size, self.diffspec_token_budget
+            if b % c:
+                raise ConfigError(f"diffspec_token_budget ({b}) must be a multiple of diffspec_chunk_size ({c})")
+            need = 2 * c if self.diffspec_keep_sink_chunk else c
+            if self.history_budget < need:
+                raise ConfigError(
+                    f"diffspec_token_budget {b} is too small for num_speculative_tokens {k} and chunk size {c}: the "
+                    f"history budget floor((B - K - 1) / C) * C = {self.history_budget} must be >= {need}")
+
+    @property
+    def uses_working_cache(self) -> bool:
+        """The draft reads a fixed-capacity working cache (policies ``recent`` and ``diffspec``)."""
+        return self.draft_context_policy != "full"
+
+    @property
+    def history_budget(self) -> int:
+        """Hb = floor((budget - K - 1) / C) * C: history tokens that fit beside the root and K chain entries."""
+        c = self.diffspec_chunk_size
+        return max(0, (self.diffspec_token_budget - self.num_speculative_tokens - 1) // c * c)
+
+    @property
+    def max_chunks(self) -> int:
+        """Nmax = Hb / C chunk slots."""
+        return self.history_budget // self.diffspec_chunk_size
+
+    def scoring_layer(self, target: ModelConfig) -> int:
+        layer = target.last_full_attention_layer if self.diffspec_scoring_layer is None else self.diffspec_scoring_layer
+        if layer >= target.num_hidden_layers:
+            raise ConfigError(f"diffspec_scoring_layer {layer} is out of range for a target with "
+                              f"{target.num_hidden_layers} layers")
+        return int(layer)

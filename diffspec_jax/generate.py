@@ -1,91 +1,221 @@
-"""``python -m diffspec_jax.generate``: greedy generation from the command line.
+"""``python -m diffspec_jax.generate``: speculative generation from the command line.
 
-This first version decodes with the target alone (no draft yet) through the fixed-capacity KV cache. With no
-``--target`` it runs on an embedded default: a tiny **random** Llama written on the fly by
-``checkpoints_tools.make_tiny`` (its output tokens are meaningless; it demonstrates the machinery).
+Examples::
+
+    python -m diffspec_jax.generate                                  # the embedded default pair
+    python -m diffspec_jax.generate --target T --draft D --prompt "def main():" --max-new-tokens 128
+    python -m diffspec_jax.generate --target T --draft D --prompt-file long.py --policy diffspec --json
+
+The tokenizer (and, with ``--chat``, its chat template) comes from the target directory through
+``transformers.AutoTokenizer`` when the directory has one; otherwise prompts are given as ids
+(``--prompt-ids``) and output is printed as ids. Text streams to stdout, a progress bar and the statistics go
+to stderr; ``--json`` prints one JSON object instead. ``--compare`` also runs target-only decoding on the same
+prompt and reports the speedup (and, when greedy, checks that the outputs are identical).
+
+This module is also callable: ``diffspec_jax.generate(target, draft, prompts, ...)`` is
+:func:`diffspec_jax.engine.generate` whether ``diffspec_jax.generate`` names the function or this module.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
-import time
+import types
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
-from diffspec_jax import target as tgt
-from diffspec_jax.cache import KVCache
+from diffspec_jax import engine
+from diffspec_jax.config import SamplingConfig, SpecConfig
 from diffspec_jax.errors import DiffspecError, InputError
 
 
-def default_model_dir() -> Path:
-    """Create (once) and return the embedded default: a random tiny Llama in the user cache."""
+def default_pair() -> tuple[Path, Path]:
+    """The embedded default pair: for now a tiny **random** Llama and a random EAGLE-3 draft, created once in
+    ``$DIFFSPEC_CACHE`` (default ``~/.cache/diffspec_jax``). Their tokens are meaningless."""
+    from checkpoints_tools.make_tiny import make_tiny, make_tiny_draft, tiny_config
+
     root = Path(os.environ.get("DIFFSPEC_CACHE", Path.home() / ".cache" / "diffspec_jax"))
-    path = root / "random-tiny-llama-v1"
-    if not (path / "config.json").exists():
-        from checkpoints_tools.make_tiny import make_tiny
+    target, draft = root / "random-tiny-llama-v1", root / "random-tiny-llama-v1-eagle3"
+    if not (target / "config.json").exists():
+        make_tiny(target, "llama", backend="numpy", seed=0)
+    if not (draft / "config.json").exists():
+        make_tiny_draft(draft, tiny_config("llama"), draft_vocab_size=128, seed=1)
+    return target, draft
 
-        make_tiny(path, "llama", backend="numpy", seed=0)
-    return path
+
+def _tokenizer(path: Path):
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
-def greedy(model: tgt.TargetModel, prompt: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
-    """Target-only greedy decoding of one prompt; returns the new tokens and timing stats."""
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    cache = KVCache.create(model.config, 1, len(prompt) + max_new_tokens, model.dtype)
-    t0 = time.perf_counter()
-    logits, cache = tgt.prefill(model, cache, [prompt])
-    token = int(jnp.argmax(logits[0]))
-    t1 = time.perf_counter()
-    out = [token]
-    for pos in range(len(prompt), len(prompt) + max_new_tokens - 1):
-        if token in model.config.eos_token_ids:
-            break
-        logits, cache = tgt.decode(model, cache, [[token]], [pos])
-        token = int(jnp.argmax(logits[0, -1]))
-        out.append(token)
-    t2 = time.perf_counter()
-    return out, {"prefill_s": t1 - t0, "decode_s": t2 - t1, "new_tokens": len(out),
-                 "decode_tokens_per_s": (len(out) - 1) / (t2 - t1) if len(out) > 1 else None}
+def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
+    if args.prompt_ids:
+        try:
+            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError as exc:
+            raise InputError(f"--prompt-ids must be comma-separated integers ({exc})") from exc
+    text = None
+    if args.prompt_file:
+        path = Path(args.prompt_file)
+        if not path.exists():
+            raise InputError(f"prompt file {path} does not exist")
+        text = path.read_text()
+    elif args.prompt is not None:
+        text = args.prompt
+    if text is None:
+        return [int(t) for t in np.random.default_rng(args.seed).integers(3, vocab_size, 48)]
+    if tok is None:
+        raise InputError("the target directory has no tokenizer; pass --prompt-ids")
+    if args.chat:
+        if not getattr(tok, "chat_template", None):
+            raise InputError("--chat: the target's tokenizer has no chat template")
+        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+    return list(tok(text, add_special_tokens=True)["input_ids"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m diffspec_jax.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", help="Hugging Face or Orbax target directory (default: the embedded pair)")
+    ap.add_argument("--draft", help="EAGLE-3 draft directory (default: the embedded pair's draft, if no --target)")
+    ap.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--num-speculative-tokens", "-k", type=int, default=SpecConfig.num_speculative_tokens)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy", default=SpecConfig.draft_context_policy, help="full | recent | diffspec")
+    ap.add_argument("--chunk-size", type=int, default=SpecConfig.diffspec_chunk_size)
+    ap.add_argument("--token-budget", type=int, default=SpecConfig.diffspec_token_budget)
+    ap.add_argument("--retrieval-interval", type=int, default=SpecConfig.diffspec_retrieval_interval)
+    ap.add_argument("--dtype", default=None, help="bfloat16 | float32 (default: bfloat16, float32 for the random "
+                                                 "default pair)")
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    ap.add_argument("--compare", action="store_true", help="also run target-only decoding and report the speedup")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats)")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m diffspec_jax.generate", description=__doc__.split("\n")[0])
-    ap.add_argument("--target", help="Hugging Face or Orbax target directory (default: embedded random tiny Llama)")
-    ap.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--dtype", default="float32", choices=sorted(tgt.DTYPES))
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
-    args = ap.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    from diffspec_jax.draft import load_draft
+    from diffspec_jax.target import load_target
+
     try:
-        path = Path(args.target) if args.target else default_model_dir()
-        model = tgt.load_target(path, dtype=args.dtype)
-        if args.prompt_ids:
-            prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        random_pair = args.target is None
+        if random_pair:
+            target_dir, draft_dir = default_pair()
         else:
-            prompt = [int(t) for t in np.random.default_rng(0).integers(3, model.config.vocab_size, 48)]
-        tokens, stats = greedy(model, prompt, args.max_new_tokens)
-    except (DiffspecError, ValueError) as exc:
+            target_dir, draft_dir = Path(args.target), Path(args.draft) if args.draft else None
+        if args.no_draft:
+            draft_dir = None
+        dtype = args.dtype or ("float32" if random_pair else "bfloat16")
+        target = load_target(target_dir, dtype=dtype)
+        draft = load_draft(draft_dir, target) if draft_dir is not None else None
+        spec = SpecConfig(num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=args.policy,
+                          diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
+                          diffspec_retrieval_interval=args.retrieval_interval)
+        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        tok = _tokenizer(target_dir)
+        prompt = _prompt_ids(args, tok, target.config.vocab_size)
+        stream = _Streamer(tok, enabled=not args.json)
+        if random_pair and not args.json:
+            print(f"[embedded default: RANDOM tiny target + draft in {target_dir.parent}; tokens are meaningless, "
+                  f"no draft token will be accepted]", file=sys.stderr)
+        kwargs = dict(max_new_tokens=args.max_new_tokens, spec=spec, sampling=sampling, seed=args.seed,
+                      stop_token_ids=() if args.ignore_eos else None)
+        if args.compare:  # compile both paths first, so the timed runs below measure decoding only
+            engine.generate(target, draft, [prompt], **kwargs)
+            engine.generate(target, None, [prompt], **kwargs)
+        result = engine.generate(target, draft, [prompt], on_tokens=stream,
+                                 progress=not (args.json or args.no_progress), **kwargs)
+        stream.close()
+        report: dict = {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
+                        "random_weights": random_pair, "prompt_ids": prompt, "ids": result.tokens[0],
+                        "text": tok.decode(result.tokens[0]) if tok is not None else None,
+                        "stats": result.stats.to_dict()}
+        if args.compare:
+            base = engine.generate(target, None, [prompt], **kwargs)
+            report["baseline"] = base.stats.to_dict()
+            report["identical_to_target_only"] = base.tokens == result.tokens
+            if base.stats.decode_tokens_per_s and result.stats.decode_tokens_per_s:
+                report["decode_speedup"] = result.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s
+    except (DiffspecError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    random = (path / "RANDOM_WEIGHTS.json").exists()
     if args.json:
-        print(json.dumps({"model": str(path), "random_weights": random, "prompt_ids": [int(p) for p in prompt],
-                          "ids": tokens, "stats": stats}))
+        print(json.dumps(report))
     else:
-        if random:
-            print(f"[random weights: {path}; the tokens below are meaningless]", file=sys.stderr)
-        print(f"model: {model}")
-        print(f"prompt ({len(prompt)} tokens): {prompt}")
-        print(f"generated ({len(tokens)} tokens): {tokens}")
-        print(f"prefill {stats['prefill_s']:.3f}s, decode {stats['decode_s']:.3f}s")
+        _print_summary(report)
     return 0
 
+
+class _Streamer:
+    """Print text (or ids) as tokens arrive."""
+
+    def __init__(self, tok, enabled: bool):
+        self.tok, self.enabled, self.ids, self.printed = tok, enabled, [], ""
+
+    def __call__(self, seq: int, new: list[int]) -> None:
+        if not self.enabled:
+            return
+        self.ids.extend(new)
+        if self.tok is None:
+            sys.stdout.write(" ".join(map(str, new)) + " ")
+        else:
+            text = self.tok.decode(self.ids)
+            sys.stdout.write(text[len(self.printed):])
+            self.printed = text
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stdout.write("\n")
+
+
+def _print_summary(report: dict) -> None:
+    s = report["stats"]
+    lines = [f"new tokens {s['new_tokens']}, prefill {s['prefill_s']:.3f}s, decode {s['decode_s']:.3f}s"
+             + (f" ({s['decode_tokens_per_s']:.1f} tok/s)" if s["decode_tokens_per_s"] else "")]
+    if s["num_speculative_tokens"]:
+        lines.append(f"policy {s['draft_context_policy']}, K={s['num_speculative_tokens']}, cycles "
+                     f"{s['sequence_cycles']}, mean acceptance length {s['mean_acceptance_length']:.2f}, "
+                     f"accepted per position {s['acceptance_per_position']}")
+    if s.get("retrieval"):
+        a = s["retrieval"]["aggregate"]
+        lines.append(f"retrievals {a['retrievals']} (after prefill {a['retrievals_after_prefill']}), skipped not "
+                     f"due {a['skipped_not_due']}, skipped fits {a['skipped_fits']}, {a['retrieval_ms']:.2f} ms each")
+    if "baseline" in report:
+        b = report["baseline"]
+        lines.append(f"target-only: {b['decode_tokens_per_s'] or 0:.1f} tok/s; speedup "
+                     f"{report.get('decode_speedup', float('nan')):.2f}x; identical output: "
+                     f"{report['identical_to_target_only']}")
+    print("\n".join(lines), file=sys.stderr)
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module replaces the package attribute ``diffspec_jax.generate`` (the function) with the
+    module; making the module callable keeps ``diffspec_jax.generate(...)`` working either way."""
+
+    def __call__(self, *args, **kwargs):
+        return engine.generate(*args, **kwargs)
+
+
+__signature__ = inspect.signature(engine.generate)
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -57,3 +57,27 @@ def hf_logits(model, ids) -> np.ndarray:
 
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
+
+
+@pytest.fixture(scope="session")
+def draft_dirs(tmp_path_factory, targets):
+    """Random EAGLE-3 drafts: Llama with a smaller draft vocabulary (128 < 256) and explicit aux ids;
+    Qwen3 with the full vocabulary (no d2t/t2d tensors) and the default aux ids."""
+    from checkpoints_tools.make_tiny import make_tiny_draft
+
+    root = tmp_path_factory.mktemp("drafts")
+    return {"llama": make_tiny_draft(root / "llama", targets["llama"].config, draft_vocab_size=128, seed=21,
+                                     aux_layer_ids=(0, 2, 3)),
+            "qwen3": make_tiny_draft(root / "qwen3", targets["qwen3"].config, seed=22)}
+
+
+@pytest.fixture(scope="session")
+def drafts(draft_dirs, targets):
+    from diffspec_jax import load_draft
+
+    return {arch: load_draft(d, targets[arch]) for arch, d in draft_dirs.items()}
+
+
+def random_prompts(seed, lengths, vocab=256):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]

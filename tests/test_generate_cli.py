@@ -1,25 +1,71 @@
-"""``python -m diffspec_jax.generate`` (interim target-only version) against an independent greedy loop."""
+"""``python -m diffspec_jax.generate`` and the callable ``diffspec_jax.generate``."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 
-from diffspec_jax import forward, generate, load_target
+import diffspec_jax
+from diffspec_jax import forward, load_target
 
 
-def test_default_run_is_labelled_random_and_matches_full_forward_greedy(tmp_path, monkeypatch, capsys):
+def run_cli(args, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    cli = importlib.import_module("diffspec_jax.generate")  # the CLI module (also callable)
+
     monkeypatch.setenv("DIFFSPEC_CACHE", str(tmp_path))
-    assert generate.main(["--max-new-tokens", "12", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["random_weights"] is True and 1 <= len(out["ids"]) <= 12
-    model = load_target(out["model"], dtype="float32")
-    seq = list(out["prompt_ids"])
-    for _ in range(len(out["ids"])):  # reference: recompute the whole sequence each token, no cache
+    code = cli.main(args)
+    out = capsys.readouterr()
+    return code, out
+
+
+def test_default_pair_is_labelled_random_and_matches_full_forward_greedy(tmp_path, monkeypatch, capsys):
+    code, out = run_cli(["--max-new-tokens", "12", "--json", "--ignore-eos"], tmp_path, monkeypatch, capsys)
+    assert code == 0
+    rep = json.loads(out.out)
+    assert rep["random_weights"] is True and rep["draft"] and len(rep["ids"]) == 12
+    assert rep["stats"]["num_speculative_tokens"] == 4
+    model = load_target(rep["target"], dtype="float32")
+    seq = list(rep["prompt_ids"])
+    for _ in range(12):  # independent reference: recompute the whole sequence per token, no cache
         seq.append(int(np.argmax(np.asarray(forward(model, [seq]))[0, -1])))
-    assert seq[len(out["prompt_ids"]):] == out["ids"]
+    assert seq[len(rep["prompt_ids"]):] == rep["ids"]
 
 
-def test_bad_prompt_is_a_clear_error(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("DIFFSPEC_CACHE", str(tmp_path))
-    assert generate.main(["--prompt-ids", "1,2,99999"]) == 2
-    assert "must lie in [0, 256)" in capsys.readouterr().err
+def test_compare_policy_flags_and_summary(tmp_path, monkeypatch, capsys):
+    code, out = run_cli(["--max-new-tokens", "16", "--compare", "--policy", "diffspec", "--token-budget", "32",
+                         "--chunk-size", "8", "--retrieval-interval", "2", "--prompt-ids",
+                         ",".join(str(i) for i in range(3, 60)), "--ignore-eos", "--no-progress"],
+                        tmp_path, monkeypatch, capsys)
+    assert code == 0
+    assert "identical output: True" in out.err and "retrievals" in out.err and "RANDOM" in out.err
+    assert len(out.out.split()) == 16  # streamed ids
+
+
+def test_bad_input_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    code, out = run_cli(["--prompt-ids", "1,2,99999"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "must lie in [0, 256)" in out.err
+    code, out = run_cli(["--prompt", "hello"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "has no tokenizer; pass --prompt-ids" in out.err
+    code, out = run_cli(["--num-speculative-tokens", "0"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "num_speculative_tokens must be an integer >= 1" in out.err
+    code, out = run_cli(["--target", str(tmp_path / "missing")], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "does not exist" in out.err
+
+
+def test_package_generate_stays_callable_after_the_cli_module_is_imported(targets):
+    import diffspec_jax.generate  # noqa: F401  (rebinds the package attribute to the module)
+
+    res = diffspec_jax.generate(targets["llama"], None, [[5, 6, 7]], max_new_tokens=3, stop_token_ids=())
+    assert len(res.tokens[0]) == 3
+
+
+def test_module_runs_as_a_script(tmp_path):
+    env = {"DIFFSPEC_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "diffspec_jax.generate", "--max-new-tokens", "4", "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)["ids"]) <= 4
+    assert "RuntimeWarning" not in proc.stderr

@@ -1,0 +1,136 @@
+"""The EAGLE-3 draft handle: loading a SpecForge / vLLM-layout checkpoint and checking it against its target.
+
+Public entry point (re-exported by :mod:`diffspec_jax`): :func:`load_draft`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from diffspec_jax.config import DraftConfig
+from diffspec_jax.errors import CheckpointError, ConfigError
+from diffspec_jax.models import eagle3
+from diffspec_jax.target import TargetModel, resolve_dtype
+
+
+@dataclass(frozen=True, eq=False)
+class DraftModel:
+    """A loaded draft bound to its target.
+
+    Attributes:
+        config: the draft's :class:`DraftConfig`.
+        params: pytree of :mod:`diffspec_jax.models.eagle3` (``embed`` shared with the target unless own).
+        aux_layers: the target layers feeding ``fc``, as HF ``hidden_states`` indices (low, mid, high).
+        own_embedding: the checkpoint carries ``embed_tokens.weight``.
+    """
+
+    config: DraftConfig
+    params: eagle3.Params
+    aux_layers: tuple[int, ...]
+    own_embedding: bool = False
+    path: str | None = None
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"DraftModel(hidden={c.hidden_size}, vocab={c.vocab_size}, draft_vocab={c.draft_vocab_size}, "
+                f"aux_layers={self.aux_layers}, path={self.path!r})")
+
+
+def validate_against_target(config: DraftConfig, target: TargetModel, num_aux: int) -> tuple[int, ...]:
+    """Refuse a draft that cannot serve ``target``; return its aux layers as HF indices."""
+    tc = target.config
+    if config.vocab_size != tc.vocab_size:
+        raise ConfigError(f"vocabulary mismatch: the draft's vocab_size is {config.vocab_size}, the target's is "
+                          f"{tc.vocab_size}; a draft must be trained for this target's tokenizer")
+    if config.target_hidden_size != tc.hidden_size:
+        raise ConfigError(f"the draft's fc expects aux states of width {config.target_hidden_size}, the target's "
+                          f"hidden size is {tc.hidden_size}")
+    aux = config.resolve_aux_layers(tc)
+    if len(aux) != num_aux:
+        raise ConfigError(f"the draft's fc takes {num_aux} aux states, its config names {len(aux)} aux layers {aux}")
+    return aux
+
+
+def _weights(path: Path):
+    from checkpoints_tools import hf
+
+    return hf.WeightReader(path)
+
+
+def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_convention: str = "auto",
+               aux_layer_ids: tuple[int, ...] | None = None) -> DraftModel:
+    """Load an EAGLE-3 draft (SpecForge / vLLM layout) for ``target``.
+
+    Args:
+        path: directory with ``config.json`` and ``model.safetensors`` (keys ``fc``, ``midlayer.*`` or
+            ``layers.0.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``, optional ``embed_tokens``).
+        dtype: parameter dtype (default: the target's).
+        aux_convention: how the config's explicit aux ids are read (``"auto"``, ``"hf"``, ``"output"``; see
+            :meth:`DraftConfig.from_dict`).
+        aux_layer_ids: override the aux layers (HF ``hidden_states`` indices).
+    Raises:
+        ConfigError: vocabulary mismatch, aux ids out of range, fc width not matching the target hidden size.
+        UnsupportedModelError: more than one draft layer, EAGLE-1 style or other unsupported draft variants.
+        CheckpointError: missing / inconsistent files or tensors.
+    """
+    from checkpoints_tools import hf
+
+    path = hf.check_dir(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"no config.json found at {cfg_file}")
+    raw = json.loads(cfg_file.read_text())
+    config = DraftConfig.from_dict(raw, source=str(cfg_file), aux_convention=aux_convention)
+    if aux_layer_ids is not None:
+        config = DraftConfig(**{**config.__dict__, "aux_layer_ids": tuple(int(i) for i in aux_layer_ids)})
+    dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
+    with _weights(path) as reader:
+        keys = set(reader.keys())
+        if any(k.startswith(("layers.1.", "midlayers.1.")) for k in keys):
+            raise CheckpointError(f"{path}: the checkpoint holds more than one draft layer; EAGLE-3 drafts have one")
+        prefix = next((p for p in hf.DRAFT_LAYER_PREFIXES if f"{p}self_attn.q_proj.weight" in keys), None)
+        if prefix is None:
+            raise CheckpointError(f"{path}: no draft layer found (expected midlayer.* or layers.0.* tensors)")
+        if "fc.weight" not in keys:
+            raise CheckpointError(f"{path}: missing tensor 'fc.weight' (EAGLE-3 drafts project target aux states)")
+        fc_out, fc_in = reader.shape("fc.weight")
+        if fc_in % config.target_hidden_size:
+            raise ConfigError(f"{path}: fc.weight has input width {fc_in}, not a multiple of the aux state width "
+                              f"{config.target_hidden_size}")
+        num_aux = fc_in // config.target_hidden_size
+        aux = validate_against_target(config, target, num_aux)
+        own = "embed_tokens.weight" in keys
+        maps = hf.eagle3_tensor_maps(config, num_aux, prefix, own_embedding=own)
+        params = hf.read_tensors(reader, maps, dtype, ignore=lambda k: k in ("d2t", "t2d"))
+        params["d2t"] = _read_d2t(reader, config, path)
+    if not own:
+        if config.hidden_size != target.config.hidden_size:
+            raise CheckpointError(f"{path}: the draft's hidden size ({config.hidden_size}) differs from the target's "
+                                  f"({target.config.hidden_size}), so it needs its own embed_tokens.weight")
+        params["embed"] = target.params["embed"].astype(dtype)
+    return DraftModel(config=config, params=params, aux_layers=aux, own_embedding=own, path=str(path))
+
+
+def _read_d2t(reader, config: DraftConfig, path: Path) -> jnp.ndarray:
+    vd, v = config.draft_vocab_size, config.vocab_size
+    if "d2t" not in reader:
+        if vd != v:
+            raise CheckpointError(f"{path}: draft_vocab_size {vd} < vocab_size {v} but the d2t table is missing")
+        return jnp.zeros(vd, jnp.int32)
+    d2t = np.asarray(reader.get("d2t")).astype(np.int64)
+    if d2t.shape != (vd,):
+        raise CheckpointError(f"{path}: d2t has shape {list(d2t.shape)}, expected [{vd}] (draft_vocab_size)")
+    target_ids = d2t + np.arange(vd)
+    if d2t.min() < 0 or np.any(np.diff(target_ids) <= 0) or target_ids[-1] >= v:
+        raise CheckpointError(f"{path}: d2t is not a valid offset table (target ids must be increasing and < {v})")
+    if "t2d" in reader:
+        t2d = np.asarray(reader.get("t2d")).astype(bool)
+        if t2d.shape != (v,) or not np.array_equal(np.nonzero(t2d)[0], target_ids):
+            raise CheckpointError(f"{path}: t2d and d2t disagree (nonzero(t2d) must equal d2t + arange)")
+    return jnp.asarray(d2t, jnp.int32)

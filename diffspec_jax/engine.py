@@ -1,0 +1,677 @@
+"""The decoding engine: prefill, the draft -> verify -> accept cycle, retrieval, and ``generate()``.
+
+Data path of one chain cycle (``_spec_cycle``, one jitted function, state donated):
+
+1. **Draft step 0.** The entries committed by the previous verification (``pend_*``: token ``x_{t+1}`` paired
+   with target aux features ``F_t``) are projected to pre-RoPE K/V (one layer: no attention needed) and stored
+   at their absolute positions; for working-cache policies the cache is rebuilt (gather-RoPE-write of the
+   history) and the root entry placed at slot ``n``; the root runs attention and proposes ``d_1``.
+2. **Chain.** Steps j = 1..K-1 feed ``(d_j, h2)`` at local position ``n + j``.
+3. **Verify.** The target runs ``[last_token, d_1..d_K]`` at positions ``length .. length + K`` in one step,
+   returning logits, aux features and (DiffSpec) the scoring layer's queries and LSE.
+4. **Accept.** Greedy or rejection sampling gives ``m`` accepted drafts and the bonus; ``length += m + 1``; the
+   m + 1 verified entries become the next cycle's pending entries; the committed row's query and LSE are kept
+   for retrieval.
+
+The host decides the retrieval cadence per sequence (``_RetrievalControl``) and calls the jitted ``_retrieve``
+on due cycles only; everything on the device has static shapes, so nothing recompiles between cycles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from diffspec_jax import retrieval, verification, working_cache
+from diffspec_jax.cache import KVCache, round_capacity
+from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
+from diffspec_jax.errors import ConfigError, InputError
+from diffspec_jax.models import eagle3, llama
+from diffspec_jax.sampling import choose, processed_logprobs
+from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
+from diffspec_jax.working_cache import DraftCache
+
+ADAPTIVE_MAX_INTERVAL = 32
+ADAPTIVE_JACCARD = 0.9
+ADAPTIVE_ACCEPT_FACTOR = 0.9
+
+
+# ------------------------------------------------------------------------------------------------ state
+@struct.dataclass
+class DecodeState:
+    """Everything that changes per cycle (batch-first arrays; ``rng`` is the only unbatched leaf).
+
+    Attributes:
+        target_cache: the target :class:`KVCache`.
+        draft_cache: the draft's :class:`DraftCache` (``None`` without a draft).
+        retrieval: :class:`retrieval.RetrievalState` (``diffspec`` policy only).
+        length: int32 ``[B]`` committed target length: positions ``0..length-1`` are valid in the target cache.
+        last_token: int32 ``[B]`` the newest emitted token, at position ``length``, not yet run by the target.
+        pend_tokens: int32 ``[B, K+1]`` tokens of draft entries awaiting projection (row i at position
+            ``length - pend_count + i``); pend_feats: ``[B, K+1, A*Ht]`` their target aux features;
+            pend_count: int32 ``[B]`` how many rows are real (the last real row is the root, ``length - 1``).
+        seq_id: int32 ``[B]`` the prompt index of each row (rows are reordered when finished ones are dropped).
+        rng: the sampling key.
+    """
+
+    target_cache: KVCache
+    draft_cache: DraftCache | None
+    retrieval: retrieval.RetrievalState | None
+    length: jax.Array
+    last_token: jax.Array
+    pend_tokens: jax.Array
+    pend_feats: jax.Array
+    pend_count: jax.Array
+    seq_id: jax.Array
+    rng: jax.Array
+
+    def take(self, rows: np.ndarray) -> DecodeState:
+        """Keep batch rows ``rows`` (compaction when sequences finish)."""
+        idx = jnp.asarray(rows, jnp.int32)
+        pick = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
+        rng = self.rng
+        return jax.tree_util.tree_map(pick, self.replace(rng=jnp.zeros((len(rows),), jnp.uint32))).replace(rng=rng)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Static description of a run (a hashable ``jit`` static argument)."""
+
+    target: ModelConfig
+    draft: DraftConfig | None
+    spec: SpecConfig
+    sampling: SamplingConfig
+    aux_layers: tuple[int, ...]
+    capacity: int
+    proposer: Callable | None = None
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft is not None or self.proposer is not None
+
+    @property
+    def k(self) -> int:
+        return self.spec.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def diffspec(self) -> bool:
+        return self.draft is not None and self.spec.draft_context_policy == "diffspec"
+
+    @property
+    def score_layer(self) -> int | None:
+        """Target layer whose queries/LSE are captured (``diffspec`` with the attention scorer)."""
+        if self.diffspec and self.spec.diffspec_scorer == "attention":
+            return self.spec.scoring_layer(self.target)
+        return None
+
+    @property
+    def num_chunks(self) -> int:
+        return retrieval.num_chunks(self.capacity, self.spec.diffspec_chunk_size)
+
+
+def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:
+    tc, dc = plan.target, plan.draft
+    feat = len(plan.aux_layers) * tc.hidden_size if dc is not None else 1
+    k1 = plan.k + 1
+    ret = None
+    if plan.diffspec:
+        hq = tc.num_attention_heads
+        ret = retrieval.RetrievalState(
+            anchors=jnp.full((batch, plan.spec.max_chunks - 1), -1, jnp.int32),
+            score_q=jnp.zeros((batch, hq, tc.head_dim), jnp.float32),
+            score_lse=jnp.zeros((batch, hq), jnp.float32),
+            draft_q=jnp.zeros((batch, dc.num_attention_heads, dc.head_dim), jnp.float32),
+            chunk_sum=(jnp.zeros((batch, plan.num_chunks, dc.num_key_value_heads, dc.head_dim), jnp.float32)
+                       if retrieval.needs_summaries(plan.spec) else None))
+    return DecodeState(
+        target_cache=KVCache.create(tc, batch, plan.capacity, target_dtype),
+        draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype) if dc is not None else None,
+        retrieval=ret,
+        length=jnp.zeros((batch,), jnp.int32), last_token=jnp.zeros((batch,), jnp.int32),
+        pend_tokens=jnp.zeros((batch, k1), jnp.int32),
+        pend_feats=jnp.zeros((batch, k1, feat), target_dtype),
+        pend_count=jnp.zeros((batch,), jnp.int32), seq_id=jnp.arange(batch, dtype=jnp.int32),
+        rng=jax.random.PRNGKey(seed))
+
+
+def _rows(x: jax.Array, row: jax.Array) -> jax.Array:
+    """``x[b, row[b]]`` for x ``[B, T, ...]``, row int ``[B]`` -> ``[B, ...]``."""
+    idx = row.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+# ---------------------------------------------------------------------------------------------- prefill
+@struct.dataclass
+class _PrefillAcc:
+    """Per-sequence values of each prompt's last position, filled by the chunk that contains it."""
+
+    logits: jax.Array      # [B, V]
+    aux: jax.Array         # [B, A*Ht]
+    score_q: jax.Array     # [B, Hq, D]
+    score_lse: jax.Array   # [B, Hq]
+
+
+def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _PrefillAcc, tokens, next_tokens,
+                   start, lengths):
+    """Target prefill of one chunk; the draft's K/V of the chunk's entries are projected and stored."""
+    b, w = tokens.shape
+    last = lengths - 1
+    rows = jnp.clip(last - start, 0, w - 1)[:, None]
+    out, tcache = llama.step(plan.target, tparams, state.target_cache, tokens, start, rows,
+                             aux_layers=plan.aux_layers if plan.draft is not None else (),
+                             score_layer=plan.score_layer)
+    in_chunk = (last >= start) & (last < start + w)
+    sel = lambda new, old: jnp.where(in_chunk.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
+    acc = acc.replace(logits=sel(out.logits[:, 0], acc.logits))
+    state = state.replace(target_cache=tcache)
+    if plan.draft is not None:
+        acc = acc.replace(aux=sel(_rows(out.aux, rows[:, 0]), acc.aux))
+        positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+        z, _ = eagle3.entry_inputs(plan.draft, dparams, next_tokens, out.aux, from_target=True)
+        _, k, v = eagle3.qkv(dparams, z)
+        dcache = working_cache.commit(plan.draft, plan.spec, state.draft_cache, k, v, positions)
+        state = state.replace(draft_cache=dcache)
+        ret = state.retrieval
+        if ret is not None and ret.chunk_sum is not None:  # entry P-1 is committed later, by the first step 0
+            ret = ret.replace(chunk_sum=retrieval.update_chunk_sums(
+                ret.chunk_sum, k, positions, positions < last[:, None], plan.spec.diffspec_chunk_size))
+            state = state.replace(retrieval=ret)
+    if out.score_q is not None:
+        acc = acc.replace(score_q=sel(out.score_q[:, 0], acc.score_q), score_lse=sel(out.score_lse[:, 0],
+                                                                                      acc.score_lse))
+    return state, acc
+
+
+def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths):
+    """Sample the first token x_P and make entry P-1 (x_P, F_{P-1}) the pending root."""
+    rng, key = jax.random.split(state.rng)
+    first = choose(key, acc.logits, plan.sampling)
+    k1 = plan.k + 1
+    state = state.replace(
+        rng=rng, length=lengths.astype(jnp.int32), last_token=first,
+        pend_tokens=jnp.zeros_like(state.pend_tokens).at[:, 0].set(first),
+        pend_feats=jnp.zeros_like(state.pend_feats).at[:, 0].set(acc.aux.astype(state.pend_feats.dtype))
+        if plan.draft is not None else state.pend_feats,
+        pend_count=jnp.ones_like(lengths, jnp.int32) if k1 > 1 else state.pend_count)
+    if state.retrieval is not None and plan.score_layer is not None:
+        state = state.replace(retrieval=state.retrieval.replace(score_q=acc.score_q, score_lse=acc.score_lse))
+    return state, first
+
+
+# ------------------------------------------------------------------------------------------------ draft
+def _draft_choose(plan: Plan, dparams, key, logits_d):
+    """A draft token (target id) and, when sampling drafts, the target-vocabulary q it was drawn from."""
+    if plan.sampling.greedy or plan.spec.draft_sampling == "argmax":
+        return eagle3.to_target_ids(dparams, jnp.argmax(logits_d, axis=-1).astype(jnp.int32)), None
+    logp = processed_logprobs(logits_d, plan.sampling)
+    idx = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+    b, vd = logp.shape
+    cols = jnp.arange(vd, dtype=jnp.int32) + dparams["d2t"]
+    q = jnp.zeros((b, plan.target.vocab_size), jnp.float32).at[:, cols].set(jnp.exp(logp))
+    return eagle3.to_target_ids(dparams, idx), q
+
+
+def draft_propose(plan: Plan, dparams, state: DecodeState, active, key):
+    """Draft step 0 (commit pending entries, rebuild, root) and the chain of K proposals.
+
+    Returns:
+        ``(drafts int32 [B, K], q float32 [B, K, V] or None (argmax drafting), draft_cache, retrieval_state,
+        n [B] history length, window [B] rolling-window tokens)``.
+    """
+    dc, spec = plan.draft, plan.spec
+    k1 = spec.num_speculative_tokens + 1
+    positions = (state.length - state.pend_count)[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
+    z, residual = eagle3.entry_inputs(dc, dparams, state.pend_tokens, state.pend_feats, from_target=True)
+    q, k, v = eagle3.qkv(dparams, z)
+    cache = working_cache.commit(dc, spec, state.draft_cache, k, v, positions)
+    ret = state.retrieval
+    if ret is not None and ret.chunk_sum is not None:
+        valid = (jnp.arange(k1)[None, :] < state.pend_count[:, None]) & active[:, None]
+        ret = ret.replace(chunk_sum=retrieval.update_chunk_sums(ret.chunk_sum, k, positions, valid,
+                                                               spec.diffspec_chunk_size))
+    root = state.length - 1
+    rrow = state.pend_count - 1
+    q_r, k_r, v_r, res_r = (_rows(x, rrow)[:, None] for x in (q, k, v, residual))
+    if ret is not None:
+        ret = ret.replace(draft_q=q_r[:, 0].astype(jnp.float32))
+    if spec.uses_working_cache:
+        anchors = ret.anchors if plan.diffspec else None
+        idx, n, window = working_cache.history_indices(anchors, root, spec.diffspec_chunk_size,
+                                                       working_cache.history_slots(spec))
+        cache = working_cache.gather_rope_write(dc, cache, idx)
+        local = n[:, None]
+        cache = working_cache.write_slots(cache, eagle3.rope(dc, k_r, local), v_r, local)
+    else:  # full: the store is the working cache at absolute positions; commit already placed the root
+        n, window = root, root
+        local = n[:, None]
+    attn = working_cache.draft_attention(dc, cache, eagle3.rope(dc, q_r, local), local)
+    h2, logits = eagle3.finish(dc, dparams, res_r, attn)
+    drafts, qs = [], []
+    for j in range(spec.num_speculative_tokens):
+        key, sub = jax.random.split(key)
+        tok, qp = _draft_choose(plan, dparams, sub, logits[:, 0])
+        drafts.append(tok)
+        qs.append(qp)
+        if j == spec.num_speculative_tokens - 1:
+            break
+        z, residual = eagle3.entry_inputs(dc, dparams, tok[:, None], h2, from_target=False)
+        qj, kj, vj = eagle3.qkv(dparams, z)
+        local = local + 1
+        cache = working_cache.write_slots(cache, eagle3.rope(dc, kj, local), vj, local)
+        attn = working_cache.draft_attention(dc, cache, eagle3.rope(dc, qj, local), local)
+        h2, logits = eagle3.finish(dc, dparams, residual, attn)
+    q_all = None if qs[0] is None else jnp.stack(qs, axis=1)
+    return jnp.stack(drafts, axis=1), q_all, cache, ret, n, window
+
+
+# ------------------------------------------------------------------------------------------------ cycles
+def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
+    """One draft -> verify -> accept cycle. Returns ``(state, emitted [B, K+1], m [B], n [B], window [B])``."""
+    rng, k_draft, k_verify = jax.random.split(state.rng, 3)
+    propose = plan.proposer or draft_propose
+    drafts, q, dcache, ret, n, window = propose(plan, dparams, state, active, k_draft)
+    k1 = plan.k + 1
+    block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+    rows = jnp.broadcast_to(jnp.arange(k1, dtype=jnp.int32), block.shape)
+    out, tcache = llama.step(plan.target, tparams, state.target_cache, block, state.length, rows,
+                             aux_layers=plan.aux_layers if plan.draft is not None else (),
+                             score_layer=plan.score_layer)
+    if plan.sampling.greedy:
+        m, emitted = verification.greedy_accept(out.logits, drafts)
+    else:
+        m, emitted = verification.rejection_accept(k_verify, processed_logprobs(out.logits, plan.sampling),
+                                                   drafts, q)
+    m = jnp.where(active, m, 0)
+    bonus = _rows(emitted, m)
+    col = jnp.arange(k1)[None, :]
+    pend_tokens = jnp.where(col == m[:, None], bonus[:, None],
+                            jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1))
+    keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
+    if ret is not None and out.score_q is not None:
+        ret = ret.replace(score_q=keep(_rows(out.score_q, m), ret.score_q),
+                          score_lse=keep(_rows(out.score_lse, m), ret.score_lse))
+    state = state.replace(
+        target_cache=tcache, draft_cache=dcache, retrieval=ret, rng=rng,
+        length=keep(state.length + m + 1, state.length), last_token=keep(bonus, state.last_token),
+        pend_tokens=keep(pend_tokens, state.pend_tokens),
+        pend_feats=keep(out.aux.astype(state.pend_feats.dtype), state.pend_feats) if out.aux is not None
+        else state.pend_feats,
+        pend_count=keep(m + 1, state.pend_count))
+    return state, emitted, m, n, window
+
+
+def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
+    """Autoregressive baseline: one target step on ``last_token``; same cache machinery."""
+    rng, key = jax.random.split(state.rng)
+    rows = jnp.zeros((state.length.shape[0], 1), jnp.int32)
+    out, tcache = llama.step(plan.target, tparams, state.target_cache, state.last_token[:, None], state.length, rows)
+    tok = choose(key, out.logits[:, 0], plan.sampling)
+    zero = jnp.zeros_like(state.length)
+    state = state.replace(target_cache=tcache, rng=rng, length=jnp.where(active, state.length + 1, state.length),
+                          last_token=jnp.where(active, tok, state.last_token))
+    return state, tok[:, None], zero, zero, zero
+
+
+def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):
+    """Score chunks and replace the selection of the sequences in ``mask`` (bool ``[B]``)."""
+    spec, ret = plan.spec, state.retrieval
+    c = spec.diffspec_chunk_size
+    root = state.length - 1
+    if spec.diffspec_scorer == "attention":
+        k_cache = state.target_cache.k[plan.score_layer]
+        scores = retrieval.chunk_scores_reference(ret.score_q, ret.score_lse, k_cache, root, c)
+    else:  # salience: the upcoming root entry's draft query against the chunk key summaries
+        rrow = state.pend_count - 1
+        z, _ = eagle3.entry_inputs(plan.draft, dparams, _rows(state.pend_tokens, rrow)[:, None],
+                                   _rows(state.pend_feats, rrow)[:, None], from_target=True)
+        q = eagle3.qkv(dparams, z)[0][:, 0].astype(jnp.float32)
+        scores = retrieval.salience_scores(q, ret.chunk_sum, root, c)
+    anchors = retrieval.select_chunks(scores, root, c, spec.max_chunks, spec.diffspec_keep_sink_chunk,
+                                      spec.diffspec_redundancy_weight, ret.chunk_sum)
+    anchors = jnp.where(mask[:, None], anchors, ret.anchors)
+    return state.replace(retrieval=ret.replace(anchors=anchors)), anchors
+
+
+_jit = dict(static_argnums=(0,), donate_argnames=("state",))
+prefill_chunk_fn = jax.jit(_prefill_chunk, **_jit)
+start_decode_fn = jax.jit(_start_decode, **_jit)
+spec_cycle_fn = jax.jit(_spec_cycle, **_jit)
+target_cycle_fn = jax.jit(_target_cycle, **_jit)
+retrieve_fn = jax.jit(_retrieve, **_jit)
+
+
+# ------------------------------------------------------------------------------------------- host side
+@dataclass
+class RetrievalCounters:
+    """``retrieval_status`` counters of one sequence (DIFFSPEC.md section 11)."""
+
+    cycles: int = 0
+    retrievals: int = 0
+    retrievals_after_prefill: int = 0
+    skipped_prefill: int = 0
+    skipped_not_due: int = 0
+    skipped_fits: int = 0
+    interval: int = 0
+    last_jaccard: float | None = None
+    anchor_chunks: list[int] = field(default_factory=list)
+    sink_kept: bool = False
+    working_len: int = 0
+    window_tokens: int = 0
+    retrieval_ms: float = 0.0
+    selection_digest: str = ""
+    # bookkeeping (not reported)
+    _since: int = 0
+    _ms_total: float = 0.0
+    _accept_sum: float = 0.0
+    _accept_n: int = 0
+    _prev_period: float | None = None
+    _selected: tuple[int, ...] | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+
+
+def _digest(chunks: Sequence[int]) -> str:
+    return hashlib.sha1(",".join(map(str, sorted(chunks))).encode()).hexdigest()[:16]
+
+
+class _RetrievalControl:
+    """Host-side cadence, adaptive interval and counters, one :class:`RetrievalCounters` per sequence."""
+
+    def __init__(self, spec: SpecConfig, n: int):
+        self.spec = spec
+        self.c = [RetrievalCounters(interval=spec.diffspec_retrieval_interval) for _ in range(n)]
+
+    def fits(self, root: int) -> bool:
+        return root <= self.spec.history_budget
+
+    def due(self, seq: int, root: int) -> bool:
+        """Classify one finished verification cycle; True when the sequence retrieves now."""
+        c = self.c[seq]
+        c.cycles += 1
+        c._since += 1
+        if c._since < c.interval:
+            c.skipped_not_due += 1
+            return False
+        if self.fits(root):
+            c.skipped_fits += 1
+            return False
+        return True
+
+    def record(self, seq: int, anchors: np.ndarray, root: int, ms: float, after_prefill: bool) -> None:
+        c, spec = self.c[seq], self.spec
+        chunk = spec.diffspec_chunk_size
+        selected = tuple(sorted({int(a) for a in anchors if a >= 0} | {root // chunk}))
+        c.retrievals += 1
+        c.retrievals_after_prefill += int(after_prefill)
+        c._since = 0
+        c._ms_total += ms
+        c.retrieval_ms = c._ms_total / c.retrievals
+        c.anchor_chunks = [int(a) for a in anchors if a >= 0]
+        c.sink_kept = 0 in c.anchor_chunks
+        c.selection_digest = _digest(selected)
+        if c._selected is not None:
+            union = set(c._selected) | set(selected)
+            c.last_jaccard = len(set(c._selected) & set(selected)) / max(1, len(union))
+        if spec.diffspec_adaptive_profile and not after_prefill:
+            period = c._accept_sum / c._accept_n if c._accept_n else None
+            stable = c.last_jaccard is not None and c.last_jaccard >= ADAPTIVE_JACCARD
+            holds = period is not None and c._prev_period is not None and period >= ADAPTIVE_ACCEPT_FACTOR * c._prev_period
+            c.interval = min(2 * c.interval, ADAPTIVE_MAX_INTERVAL) if stable and holds else \
+                spec.diffspec_retrieval_interval
+            c._prev_period = period
+        c._accept_sum, c._accept_n = 0.0, 0
+        c._selected = selected
+
+    def observe(self, seq: int, accepted_len: int, n: int, window: int) -> None:
+        c = self.c[seq]
+        c._accept_sum += accepted_len
+        c._accept_n += 1
+        c.working_len, c.window_tokens = n, window
+
+    def status(self) -> dict[str, Any]:
+        per = [c.report() for c in self.c]
+        keys = ("cycles", "retrievals", "retrievals_after_prefill", "skipped_prefill", "skipped_not_due",
+                "skipped_fits")
+        agg: dict[str, Any] = {k: sum(p[k] for p in per) for k in keys}
+        ms = [c._ms_total for c in self.c]
+        agg["retrieval_ms"] = sum(ms) / max(1, agg["retrievals"])
+        agg["selection_digest"] = _digest([hash(p["selection_digest"]) & 0xFFFF for p in per])
+        return {"aggregate": agg, "per_sequence": per}
+
+
+@dataclass
+class GenerateStats:
+    """Statistics of one :func:`generate` call (``dataclasses.asdict`` / :meth:`to_dict` give a dict).
+
+    ``mean_acceptance_length`` counts tokens emitted per verification (accepted drafts + 1);
+    ``acceptance_per_position[i]`` counts verifications that accepted draft position i.
+    """
+
+    num_sequences: int = 0
+    new_tokens: int = 0
+    num_speculative_tokens: int = 0
+    draft_context_policy: str | None = None
+    cycles: int = 0
+    sequence_cycles: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    mean_acceptance_length: float | None = None
+    acceptance_per_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens_per_s: float | None = None
+    retrieval: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GenerateResult:
+    """``tokens``: the generated ids per prompt (prompt excluded); ``stats``: :class:`GenerateStats`."""
+
+    tokens: list[list[int]]
+    stats: GenerateStats
+
+
+def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: SpecConfig,
+              sampling: SamplingConfig) -> list[list[int]]:
+    if not isinstance(spec, SpecConfig):
+        raise ConfigError(f"spec must be a SpecConfig, got {type(spec).__name__}")
+    if not isinstance(sampling, SamplingConfig):
+        raise ConfigError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InputError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)):
+            raise InputError(f"prompt {i} is text; pass token ids (tokenize first)")
+        if len(p) == 0:
+            raise InputError(f"prompt {i} is empty; every prompt needs at least one token")
+        out.append([int(t) for t in check_token_ids(p, target.config.vocab_size, f"prompt {i}")])
+    if draft is not None:
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ConfigError(f"vocabulary mismatch: draft vocab_size {draft.config.vocab_size} vs target "
+                              f"{target.config.vocab_size}")
+        draft.config.resolve_aux_layers(target.config)
+        if spec.draft_context_policy == "diffspec":
+            spec.scoring_layer(target.config)
+    return out
+
+
+def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             spec: SpecConfig = SpecConfig(), sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+             stop_token_ids: Sequence[int] | None = None, max_cache_len: int | None = None,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_tokens: Callable[[int, list[int]], None] | None = None,
+             progress: bool = False, proposer: Callable | None = None) -> GenerateResult:
+    """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
+
+    Args:
+        target: from :func:`diffspec_jax.load_target`; draft: from :func:`diffspec_jax.load_draft` or ``None``.
+        prompts: a list of token-id lists (lengths may differ).
+        max_new_tokens: exactly this many tokens per prompt unless a stop token comes first.
+        spec: :class:`SpecConfig` (K, draft context policy, DiffSpec settings); ignored without a draft.
+        sampling: :class:`SamplingConfig` (temperature 0 = greedy).
+        seed: sampling seed.
+        stop_token_ids: generation of a sequence stops after one of these (default: the target's EOS ids;
+            ``()`` never stops early).
+        max_cache_len: cache capacity per sequence (default: the longest prompt + max_new_tokens + K + 1).
+        on_tokens: called as ``on_tokens(i, new_ids)`` whenever prompt i gains tokens (streaming).
+        progress: show a progress bar on stderr.
+        proposer: a custom draft function with the signature of :func:`draft_propose` (tests use an oracle).
+    Returns:
+        :class:`GenerateResult` with ``.tokens`` and ``.stats``.
+    Raises:
+        InputError / ConfigError for bad input (empty prompt, prompt longer than the cache, ...).
+    """
+    prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling)
+    tc = target.config
+    speculative = draft is not None or proposer is not None
+    k = spec.num_speculative_tokens if speculative else 0
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    need = int(lengths.max()) + max_new_tokens + k + 1
+    if need - k - 1 > tc.max_position_embeddings:
+        raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the target's context window (max_position_embeddings {tc.max_position_embeddings})")
+    if max_cache_len is not None and max_cache_len < need:
+        raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) + K + 1 "
+                         f"= {need} positions exceed the cache capacity max_cache_len={max_cache_len}")
+    plan = Plan(target=tc, draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
+                aux_layers=draft.aux_layers if draft is not None else (),
+                capacity=round_capacity(max_cache_len or need), proposer=proposer)
+    stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    tparams, dparams = target.params, draft.params if draft is not None else None
+    batch = len(prompts)
+    stats = GenerateStats(num_sequences=batch, num_speculative_tokens=k,
+                          draft_context_policy=spec.draft_context_policy if draft is not None else None,
+                          acceptance_per_position=[0] * k)
+    ctl = _RetrievalControl(spec, batch) if plan.diffspec else None
+
+    t0 = time.perf_counter()
+    state = init_state(plan, batch, target.dtype, dparams["fc"].dtype if dparams else target.dtype, seed)
+    width, n_chunks = plan_prefill(lengths, prefill_chunk)
+    tokens = pad_prompts(prompts, width * n_chunks + 1)
+    acc = _PrefillAcc(logits=jnp.zeros((batch, tc.vocab_size), jnp.float32),
+                      aux=jnp.zeros((batch, max(1, len(plan.aux_layers) * tc.hidden_size)), target.dtype),
+                      score_q=jnp.zeros((batch, tc.num_attention_heads, tc.head_dim), jnp.float32),
+                      score_lse=jnp.zeros((batch, tc.num_attention_heads), jnp.float32))
+    jl = jnp.asarray(lengths)
+    for c in range(n_chunks):
+        s = c * width
+        state, acc = prefill_chunk_fn(plan, tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
+                                      jnp.asarray(tokens[:, s + 1:s + width + 1]),
+                                      jnp.full((batch,), s, jnp.int32), jl)
+    state, first = start_decode_fn(plan, state, acc, jl)
+    first = np.asarray(first)
+    out: list[list[int]] = [[] for _ in range(batch)]
+    done = np.zeros(batch, bool)
+    host_len = lengths.astype(np.int64).copy()
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=batch * max_new_tokens, unit="tok", leave=False)
+
+    def emit(seq: int, toks) -> None:
+        added = []
+        for t in toks:
+            if done[seq]:
+                break
+            out[seq].append(int(t))
+            added.append(int(t))
+            if int(t) in stops or len(out[seq]) >= max_new_tokens:
+                done[seq] = True
+        if added:
+            if on_tokens is not None:
+                on_tokens(seq, added)
+            if bar is not None:
+                bar.update(len(added))
+
+    for b in range(batch):
+        emit(b, [first[b]])
+    if ctl is not None:
+        state = _retrieve_after_prefill(plan, ctl, tparams, dparams, state, host_len)
+    jax.block_until_ready(state.length)
+    stats.prefill_s = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    rows = np.arange(batch)  # device row -> sequence
+    cycle = spec_cycle_fn if plan.speculative else target_cycle_fn
+    while not done.all():
+        live = ~done[rows]
+        if live.sum() <= len(rows) // 2:  # compact: finished sequences stop costing work
+            keep = rows[live]
+            size = 1 << (len(keep) - 1).bit_length()
+            fill = [r for r in range(len(rows)) if not live[r]][: size - len(keep)]
+            order = np.concatenate([np.nonzero(live)[0], np.array(fill, np.int64)]).astype(np.int64)
+            state = state.take(order)
+            rows = rows[order]
+            live = ~done[rows]
+        state, emitted, m, n, window = cycle(plan, tparams, dparams, state, jnp.asarray(live))
+        emitted, m, n, window = (np.asarray(x) for x in (emitted, m, n, window))
+        stats.cycles += 1
+        due = np.zeros(len(rows), bool)
+        for r, seq in enumerate(rows):
+            if not live[r]:
+                continue
+            stats.sequence_cycles += 1
+            if k:
+                stats.accepted_tokens += int(m[r])
+                for i in range(int(m[r])):
+                    stats.acceptance_per_position[i] += 1
+            host_len[seq] += int(m[r]) + 1
+            emit(seq, emitted[r, : int(m[r]) + 1])
+            if ctl is not None:
+                ctl.observe(seq, int(m[r]) + 1, int(n[r]), int(window[r]))
+                due[r] = ctl.due(seq, int(host_len[seq]) - 1)
+        if ctl is not None and due.any():
+            state = _timed_retrieve(plan, ctl, tparams, dparams, state, due, rows, host_len, after_prefill=False)
+    jax.block_until_ready(state.length)
+    stats.decode_s = time.perf_counter() - t1
+    if bar is not None:
+        bar.close()
+    stats.new_tokens = sum(len(o) for o in out)
+    stats.drafted_tokens = stats.sequence_cycles * k
+    if stats.sequence_cycles:
+        stats.mean_acceptance_length = (stats.accepted_tokens + stats.sequence_cycles) / stats.sequence_cycles
+    decoded = stats.new_tokens - batch  # the first token of each sequence comes from prefill
+    stats.decode_tokens_per_s = decoded / stats.decode_s if stats.decode_s > 0 and decoded > 0 else None
+    if ctl is not None:
+        stats.retrieval = ctl.status()
+    return GenerateResult(tokens=out, stats=stats)
+
+
+def _timed_retrieve(plan, ctl, tparams, dparams, state, mask, rows, host_len, *, after_prefill):
+    t = time.perf_counter()
+    state, anchors = retrieve_fn(plan, tparams, dparams, state, jnp.asarray(mask))
+    anchors = np.asarray(anchors)
+    ms = (time.perf_counter() - t) * 1e3 / max(1, int(mask.sum()))
+    for r in np.nonzero(mask)[0]:
+        ctl.record(int(rows[r]), anchors[r], int(host_len[rows[r]]) - 1, ms, after_prefill)
+    return state
+
+
+def _retrieve_after_prefill(plan, ctl, tparams, dparams, state, host_len):
+    """DiffSpec's retrieval right after prefill, from the last prompt position's query (when switched on)."""
+    batch = len(host_len)
+    if not plan.spec.diffspec_retrieve_after_prefill:
+        for c in ctl.c:
+            c.skipped_prefill += 1
+        return state
+    mask = np.array([not ctl.fits(int(host_len[b]) - 1) for b in range(batch)])
+    if mask.any():
+        state = _timed_retrieve(plan, ctl, tparams, dparams, state, mask, np.arange(batch), host_len,
+                                after_prefill=True)
+    return state

@@ -1,0 +1,154 @@
+"""The draft's KV: a canonical pre-RoPE store and the working cache the draft attends to.
+
+Layouts (per sequence; Hkv = draft KV heads, D = head_dim):
+
+* ``full`` policy (plain EAGLE-3): no separate store. The working cache *is* the store, ``[B, S, Hkv, D]``
+  with S the target cache capacity, keys rotated at their **absolute** positions; the root sits at slot
+  ``n = r`` (its absolute position) and chain step j at ``n + j``.
+* ``recent`` / ``diffspec``: the canonical store ``[B, S, Hkv, D]`` holds **pre-RoPE** K and V of committed
+  draft entries at absolute positions; the working cache ``[B, W, Hkv, D]`` (W = ``diffspec_token_budget``)
+  is rebuilt at every draft step 0 by gather-RoPE-write: the history rows (sorted absolute positions, ``-1``
+  padded) are gathered from the store, keys rotated at **local** positions ``0..n-1``, and written to slots
+  ``0..n-1``; the root goes to slot ``n``, chain step j to ``n + j``.
+
+The draft attends causally over local slot positions (slot s is visible to a query at local position p iff
+s <= p), so stale slots beyond the current query are never read. Everything has static shapes.
+
+The pure-JAX functions here (:func:`gather_rope_write`, :func:`draft_attention`) are the references the Pallas
+kernels and the torch bridge are tested against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from diffspec_jax.cache import write_rows
+from diffspec_jax.config import DraftConfig, SpecConfig
+from diffspec_jax.models import eagle3
+from diffspec_jax.models.layers import attention_dense, causal_mask
+
+
+@struct.dataclass
+class DraftCache:
+    """Draft K/V of a batch.
+
+    Attributes:
+        work_k, work_v: ``[B, W, Hkv, D]`` working cache (keys rotated at local positions).
+        store_k, store_v: ``[B, S, Hkv, D]`` canonical pre-RoPE store, or ``None`` for the ``full`` policy.
+    """
+
+    work_k: jax.Array
+    work_v: jax.Array
+    store_k: jax.Array | None = None
+    store_v: jax.Array | None = None
+
+    @classmethod
+    def create(cls, config: DraftConfig, spec: SpecConfig, batch: int, capacity: int, dtype) -> DraftCache:
+        """Zero-filled buffers: ``capacity`` = the target cache capacity (absolute positions)."""
+        hkv, d = config.num_key_value_heads, config.head_dim
+        if not spec.uses_working_cache:
+            z = jnp.zeros((batch, capacity, hkv, d), dtype)
+            return cls(work_k=z, work_v=z.copy())
+        w = jnp.zeros((batch, spec.diffspec_token_budget, hkv, d), dtype)
+        s = jnp.zeros((batch, capacity, hkv, d), dtype)
+        return cls(work_k=w, work_v=w.copy(), store_k=s, store_v=s.copy())
+
+
+def history_slots(spec: SpecConfig) -> int:
+    """Maximum history length n: ``budget - K - 1`` for ``recent``, Hb (whole chunks) for ``diffspec``."""
+    if spec.draft_context_policy == "recent":
+        return spec.diffspec_token_budget - spec.num_speculative_tokens - 1
+    return spec.history_budget
+
+
+def commit(config: DraftConfig, spec: SpecConfig, cache: DraftCache, k: jax.Array, v: jax.Array,
+           positions: jax.Array) -> DraftCache:
+    """Store the K/V of draft entries computed from target features at their absolute positions.
+
+    Args:
+        k, v: pre-RoPE ``[B, T, Hkv, D]``; positions: int32 ``[B, T]`` (rows past the capacity are dropped).
+    ``full`` rotates the keys at their absolute positions into the working cache; the other policies write the
+    pre-RoPE rows to the canonical store.
+    """
+    if not spec.uses_working_cache:
+        k_rot = eagle3.rope(config, k, positions)
+        return cache.replace(work_k=write_rows(cache.work_k, k_rot, positions),
+                             work_v=write_rows(cache.work_v, v, positions))
+    return cache.replace(store_k=write_rows(cache.store_k, k, positions),
+                         store_v=write_rows(cache.store_v, v, positions))
+
+
+def history_indices(anchor_chunks: jax.Array | None, root: jax.Array, chunk: int, slots: int
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The draft's history at step 0: anchor tokens plus a rolling window of the most recent other positions.
+
+    ``history = anchor tokens U W``, sorted, where W is the most recent positions ``< root`` that are not anchor
+    tokens, up to ``slots - |anchor tokens|`` of them (DIFFSPEC.md section 3.2). The root is never included.
+
+    Args:
+        anchor_chunks: int32 ``[B, A]`` selected complete chunk ids (``-1`` = empty slot), or ``None``
+            (no anchors: a plain sliding window, the ``recent`` policy and the state before any retrieval).
+        root: int32 ``[B]`` root position r.
+        chunk: chunk size C; slots: maximum history length (Hb).
+    Returns:
+        ``(idx [B, slots] int32 sorted absolute positions padded with -1, n [B], window [B])`` where n is the
+        history length and window = |W|.
+    """
+    b = root.shape[0]
+    cand = root[:, None] - slots + jnp.arange(slots)[None, :]  # the last `slots` positions before the root
+    if anchor_chunks is None:
+        idx = jnp.where(cand >= 0, cand, -1)
+        n = jnp.minimum(root, slots)
+        return _compact_sorted(idx, slots), n, n
+    valid_anchor = anchor_chunks >= 0
+    anchor_tok = jnp.where(valid_anchor[:, :, None], anchor_chunks[:, :, None] * chunk + jnp.arange(chunk),
+                           -1).reshape(b, -1)
+    anchor_tok = jnp.where(anchor_tok < root[:, None], anchor_tok, -1)
+    n_anchor = jnp.sum(anchor_tok >= 0, axis=1)
+    in_anchor = jnp.any(valid_anchor[:, None, :] & (cand[:, :, None] // chunk == anchor_chunks[:, None, :]), axis=2)
+    free = (cand >= 0) & ~in_anchor
+    rank_from_top = jnp.cumsum(free[:, ::-1], axis=1)[:, ::-1]  # 1 = the most recent free position
+    take = free & (rank_from_top <= (slots - n_anchor)[:, None])
+    window = jnp.where(take, cand, -1)
+    merged = jnp.concatenate([anchor_tok, window], axis=1)
+    w = jnp.sum(take, axis=1)
+    return _compact_sorted(merged, slots), n_anchor + w, w
+
+
+def _compact_sorted(idx: jax.Array, slots: int) -> jax.Array:
+    """Sort valid entries (>= 0) ascending to the front, pad with -1, keep ``slots`` columns."""
+    big = jnp.iinfo(jnp.int32).max
+    s = jnp.sort(jnp.where(idx >= 0, idx, big), axis=1)[:, :slots]
+    return jnp.where(s == big, -1, s).astype(jnp.int32)
+
+
+def gather_rope_write(config: DraftConfig, cache: DraftCache, idx: jax.Array) -> DraftCache:
+    """Reference gather-RoPE-write: working[0:slots] = rope(store[idx], local 0..slots-1); -1 rows become zeros.
+
+    Args:
+        idx: int32 ``[B, slots]`` sorted absolute positions, ``-1`` padded (from :func:`history_indices`).
+    """
+    safe = jnp.maximum(idx, 0)
+    valid = (idx >= 0)[:, :, None, None]
+    k = jnp.where(valid, jnp.take_along_axis(cache.store_k, safe[:, :, None, None], axis=1), 0)
+    v = jnp.where(valid, jnp.take_along_axis(cache.store_v, safe[:, :, None, None], axis=1), 0)
+    local = jnp.broadcast_to(jnp.arange(idx.shape[1], dtype=jnp.int32), idx.shape)
+    k = eagle3.rope(config, k, local).astype(cache.work_k.dtype)
+    return cache.replace(work_k=jax.lax.dynamic_update_slice_in_dim(cache.work_k, k, 0, axis=1),
+                         work_v=jax.lax.dynamic_update_slice_in_dim(cache.work_v, v.astype(cache.work_v.dtype), 0,
+                                                                    axis=1))
+
+
+def write_slots(cache: DraftCache, k_rot: jax.Array, v: jax.Array, slots: jax.Array) -> DraftCache:
+    """Write rotated keys and values ``[B, T, Hkv, D]`` into working-cache slots ``[B, T]``."""
+    return cache.replace(work_k=write_rows(cache.work_k, k_rot, slots), work_v=write_rows(cache.work_v, v, slots))
+
+
+def draft_attention(config: DraftConfig, cache: DraftCache, q_rot: jax.Array, q_local: jax.Array) -> jax.Array:
+    """Reference draft attention: queries ``[B, T, Hq, D]`` at local positions ``[B, T]`` over the working cache
+    (GQA, causal over slots, float32 softmax). Returns ``[B, T, Hq, D]``."""
+    mask = causal_mask(q_local, cache.work_k.shape[1])
+    out, _ = attention_dense(q_rot, cache.work_k, cache.work_v, mask, config.head_dim ** -0.5)
+    return out
