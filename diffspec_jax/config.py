@@ -148,6 +148,14 @@ def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta
     return RopeConfig(**kwargs)
 
 
+def _check_positive_ints(obj: Any, names: tuple[str, ...], prefix: str = "") -> None:
+    """Refuse any of ``names`` that is not a positive integer (bools excluded)."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{prefix}{name} must be a positive integer, got {value!r}")
+
+
 def _require(d: dict[str, Any], key: str, where: str) -> Any:
     if d.get(key) is None:
         raise ConfigError(f"{where}: required key {key!r} is missing")
@@ -183,11 +191,8 @@ class ModelConfig:
                 f"architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        _check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -367,11 +372,8 @@ class DraftConfig:
     norm_before_residual: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                     "vocab_size", "draft_vocab_size", "target_hidden_size"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ConfigError(f"draft {name} must be a positive integer, got {value!r}")
+        _check_positive_ints(self, ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                    "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size"), "draft ")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"draft num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_key_value_heads})")
@@ -537,9 +539,9 @@ class SpecConfig:
     diffspec_scoring_layer: int | None = None
 
     def __post_init__(self) -> None:
+        _check_positive_ints(self, ("num_speculative_tokens", "diffspec_chunk_size", "diffspec_token_budget",
+                                    "diffspec_retrieval_interval"))
         k = self.num_speculative_tokens
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
-            raise ConfigError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.draft_context_policy not in DRAFT_CONTEXT_POLICIES:
             raise ConfigError(f"draft_context_policy must be one of {DRAFT_CONTEXT_POLICIES}, got "
                               f"{self.draft_context_policy!r}")
@@ -547,10 +549,6 @@ class SpecConfig:
             raise ConfigError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {self.draft_sampling!r}")
         if self.diffspec_scorer not in DIFFSPEC_SCORERS:
             raise ConfigError(f"diffspec_scorer must be one of {DIFFSPEC_SCORERS}, got {self.diffspec_scorer!r}")
-        for name in ("diffspec_chunk_size", "diffspec_token_budget", "diffspec_retrieval_interval"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if not (isinstance(self.diffspec_redundancy_weight, (int, float)) and self.diffspec_redundancy_weight >= 0):
             raise ConfigError(f"diffspec_redundancy_weight must be >= 0, got {self.diffspec_redundancy_weight!r}")
         if self.diffspec_scoring_layer is not None and (

@@ -76,7 +76,10 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
     if args.chat:
         if not getattr(tok, "chat_template", None):
             raise InputError("--chat: the target's tokenizer has no chat template")
-        return list(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):  # transformers v5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
     return list(tok(text, add_special_tokens=True)["input_ids"])
 
 

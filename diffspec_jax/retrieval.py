@@ -55,12 +55,13 @@ def needs_summaries(spec: SpecConfig) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- scoring
-def chunk_scores_reference(q: jax.Array, lse: jax.Array, k_cache: jax.Array, root: jax.Array, chunk: int
+def chunk_scores_reference(q: jax.Array, lse: jax.Array | None, k_cache: jax.Array, root: jax.Array, chunk: int
                            ) -> jax.Array:
     """Attention-probability chunk scores (the pure-JAX reference of the ``chunk_scores`` kernel).
 
     Args:
-        q: float32 ``[B, Hq, D]`` post-RoPE query rows; lse: float32 ``[B, Hq]``.
+        q: float32 ``[B, Hq, D]`` post-RoPE query rows; lse: float32 ``[B, Hq]`` from the verify pass, or
+            ``None`` to recompute it over positions ``0..r`` (both give the same scores).
         k_cache: ``[B, S, Hkv, D]`` post-RoPE keys of the scoring layer; root: int32 ``[B]`` r.
         chunk: C (``S`` need not be a multiple; the last chunk is partial).
     Returns:
@@ -71,7 +72,7 @@ def chunk_scores_reference(q: jax.Array, lse: jax.Array, k_cache: jax.Array, roo
     return head_sum_scores(q, lse, k_cache, root, chunk) / q.shape[1]
 
 
-def head_sum_scores(q: jax.Array, lse: jax.Array, k_cache: jax.Array, root: jax.Array, chunk: int) -> jax.Array:
+def head_sum_scores(q: jax.Array, lse: jax.Array | None, k_cache: jax.Array, root: jax.Array, chunk: int) -> jax.Array:
     """``sum_h score_h(c)`` over the heads present in ``q`` (the per-shard part of the attention score)."""
     b, hq, d = q.shape
     s_len, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -80,6 +81,8 @@ def head_sum_scores(q: jax.Array, lse: jax.Array, k_cache: jax.Array, root: jax.
     logits = jnp.einsum("bkgd,bskd->bkgs", q.reshape(b, hkv, g, d).astype(jnp.float32),
                         k_cache.astype(jnp.float32)) * scale
     valid = jnp.arange(s_len)[None, :] <= root[:, None]  # [B, S]
+    if lse is None:
+        lse = jax.nn.logsumexp(jnp.where(valid[:, None, None, :], logits, -jnp.inf), axis=-1).reshape(b, hq)
     p = jnp.where(valid[:, None, None, :], jnp.exp(logits - lse.reshape(b, hkv, g)[..., None]), 0.0)
     p = jnp.sum(p, axis=(1, 2))  # sum over heads: [B, S]
     nc = num_chunks(s_len, chunk)

@@ -81,3 +81,23 @@ def drafts(draft_dirs, targets):
 def random_prompts(seed, lengths, vocab=256):
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+
+
+def recording_proposer(log, plan, dparams, state, active, key):
+    """The engine's draft proposer, also appending each cycle's drafts (host NumPy) to ``log``."""
+    import jax
+
+    from diffspec_jax.engine import draft_propose
+
+    out = draft_propose(plan, dparams, state, active, key)
+    jax.debug.callback(lambda d: log.append(np.asarray(d)), out[0])
+    return out
+
+
+def rewrite_safetensors(path, edit):
+    """Load ``path/model.safetensors``, apply ``edit(dict)`` in place, write it back (to damage checkpoints)."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import hf_logits, rel_err
+from conftest import hf_logits, rel_err, rewrite_safetensors
 from checkpoints_tools import convert, inspect as ckpt_inspect
 from checkpoints_tools.make_tiny import make_tiny
 from diffspec_jax import forward, load_target
@@ -76,14 +76,6 @@ def broken(tmp_path, tiny_dirs):
     return dst
 
 
-def _rewrite_tensors(path, edit):
-    from safetensors.numpy import load_file, save_file
-
-    tensors = load_file(str(path / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
 def test_missing_directory(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_target(tmp_path / "nope")
@@ -106,7 +98,7 @@ def test_index_naming_a_missing_shard(broken):
 
 
 def test_missing_tensor(broken):
-    _rewrite_tensors(broken, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    rewrite_safetensors(broken, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]"):
         load_target(broken)
 
@@ -121,13 +113,13 @@ def test_shape_not_matching_config(broken):
 
 
 def test_unexpected_tensor_such_as_a_bias(broken):
-    _rewrite_tensors(broken, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}))
+    rewrite_safetensors(broken, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}))
     with pytest.raises(CheckpointError, match="unexpected tensors .*q_proj.bias"):
         load_target(broken)
 
 
 def test_integer_weights_are_refused(broken):
-    _rewrite_tensors(broken, lambda t: t.update(
+    rewrite_safetensors(broken, lambda t: t.update(
         {"model.norm.weight": np.ones(64, np.int8)}))
     with pytest.raises(CheckpointError, match="'model.norm.weight' has dtype I8; quantized or integer"):
         load_target(broken)

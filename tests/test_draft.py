@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_prompts
+from conftest import random_prompts, rewrite_safetensors
 from diffspec_jax import DraftConfig, load_draft
 from diffspec_jax.cache import KVCache
 from diffspec_jax.errors import CheckpointError, ConfigError, UnsupportedModelError
@@ -198,11 +198,7 @@ def test_fc_width_not_matching_target_hidden(draft_copy, targets):
 
 
 def test_fc_tensor_not_a_multiple_of_target_hidden(draft_copy, targets):
-    from safetensors.numpy import load_file, save_file
-
-    t = load_file(str(draft_copy / "model.safetensors"))
-    t["fc.weight"] = np.zeros((64, 100), np.float32)
-    save_file(t, str(draft_copy / "model.safetensors"))
+    rewrite_safetensors(draft_copy, lambda t: t.update({"fc.weight": np.zeros((64, 100), np.float32)}))
     with pytest.raises(ConfigError, match="fc.weight has input width 100, not a multiple"):
         load_draft(draft_copy, targets["llama"])
 
@@ -214,11 +210,7 @@ def test_more_than_one_draft_layer(draft_copy, targets):
 
 
 def test_inconsistent_d2t_t2d(draft_copy, targets):
-    from safetensors.numpy import load_file, save_file
-
-    t = load_file(str(draft_copy / "model.safetensors"))
-    t["t2d"] = np.roll(t["t2d"], 1)
-    save_file(t, str(draft_copy / "model.safetensors"))
+    rewrite_safetensors(draft_copy, lambda t: t.update({"t2d": np.roll(t["t2d"], 1)}))
     with pytest.raises(CheckpointError, match="t2d and d2t disagree"):
         load_draft(draft_copy, targets["llama"])
 
@@ -237,11 +229,11 @@ def test_equal_vocab_draft_has_no_d2t_and_shares_the_embedding(draft_dirs, draft
 
 
 def test_layers_0_prefix_is_accepted(draft_copy, targets, drafts):
-    from safetensors.numpy import load_file, save_file
+    def rename(t):
+        for k in [k for k in t if k.startswith("midlayer.")]:
+            t[k.replace("midlayer.", "layers.0.")] = t.pop(k)
 
-    t = load_file(str(draft_copy / "model.safetensors"))
-    t = {k.replace("midlayer.", "layers.0."): v for k, v in t.items()}
-    save_file(t, str(draft_copy / "model.safetensors"))
+    rewrite_safetensors(draft_copy, rename)
     d = load_draft(draft_copy, targets["llama"])
     np.testing.assert_array_equal(d.params["wq"], drafts["llama"].params["wq"])
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_prompts
+from conftest import random_prompts, recording_proposer
 from diffspec_jax import SamplingConfig, SpecConfig, generate
 from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.utils import CompileCounter
@@ -83,6 +83,12 @@ def test_sampling_is_reproducible_and_respects_top_k(targets, drafts, prompts):
     b = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=24, spec=spec, sampling=sampling, seed=3)
     c = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=24, spec=spec, sampling=sampling, seed=4)
     assert a.tokens == b.tokens and a.tokens != c.tokens
+    logs = {"argmax": [], "sample": []}
+    for mode, log in logs.items():  # the draft_sampling key changes what the draft proposes
+        generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=8, sampling=sampling, seed=3,
+                 spec=SpecConfig(num_speculative_tokens=3, draft_sampling=mode),
+                 proposer=functools.partial(recording_proposer, log))
+    assert any(not np.array_equal(x, y) for x, y in zip(logs["argmax"], logs["sample"]))
 
 
 def test_stop_tokens_and_exact_max_new_tokens(targets, drafts, prompts, baselines):
@@ -123,7 +129,7 @@ def test_bad_requests(targets, drafts, prompts, call, error, needle):
 
 
 def test_bad_settings():
-    with pytest.raises(ConfigError, match="num_speculative_tokens must be an integer >= 1, got 0"):
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be a positive integer, got 0"):
         SpecConfig(num_speculative_tokens=0)
     with pytest.raises(ConfigError, match="temperature must be a finite number >= 0"):
         SamplingConfig(temperature=-0.5)

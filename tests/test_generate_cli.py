@@ -50,7 +50,7 @@ def test_bad_input_is_a_clear_error(tmp_path, monkeypatch, capsys):
     code, out = run_cli(["--prompt", "hello"], tmp_path, monkeypatch, capsys)
     assert code == 2 and "has no tokenizer; pass --prompt-ids" in out.err
     code, out = run_cli(["--num-speculative-tokens", "0"], tmp_path, monkeypatch, capsys)
-    assert code == 2 and "num_speculative_tokens must be an integer >= 1" in out.err
+    assert code == 2 and "num_speculative_tokens must be a positive integer" in out.err
     code, out = run_cli(["--target", str(tmp_path / "missing")], tmp_path, monkeypatch, capsys)
     assert code == 2 and "does not exist" in out.err
 
@@ -69,3 +69,30 @@ def test_module_runs_as_a_script(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["ids"]) <= 4
     assert "RuntimeWarning" not in proc.stderr
+
+
+def test_text_prompt_chat_template_and_streamed_text(tmp_path, monkeypatch, capsys):
+    """A target directory with a tokenizer: text in, text out, chat template applied with --chat."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from checkpoints_tools.make_tiny import make_tiny, make_tiny_draft, tiny_config
+
+    target = make_tiny(tmp_path / "t", "llama", seed=2)
+    draft = make_tiny_draft(tmp_path / "d", tiny_config("llama"), seed=3)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = "{% for m in messages %}w7 {{ m['content'] }} w8{% endfor %}"
+    fast.save_pretrained(target)
+    code, out = run_cli(["--target", str(target), "--draft", str(draft), "--prompt", "w1 w2 w3 w4", "--chat",
+                         "--max-new-tokens", "6", "--ignore-eos", "--json", "--dtype", "float32"],
+                        tmp_path, monkeypatch, capsys)
+    assert code == 0, out.err
+    rep = json.loads(out.out)
+    assert rep["prompt_ids"] == [10, 4, 5, 6, 7, 11] and rep["random_weights"] is False
+    assert rep["text"] == " ".join(words[i] for i in rep["ids"])
+    code, out = run_cli(["--target", str(target), "--draft", str(draft), "--prompt", "w1 w2", "--max-new-tokens",
+                         "5", "--ignore-eos", "--dtype", "float32", "--no-progress"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and len(out.out.split()) == 5 and all(w.startswith("w") for w in out.out.split())
