@@ -523,6 +523,7 @@ class SpecConfig:
             summaries scored against the draft's query, no target query needed) [``"attention"``].
         diffspec_redundancy_weight: discount a chunk by its similarity to chunks already selected [0.0].
         diffspec_scoring_layer: target layer whose attention scores chunks [None = last full-attention layer].
+        draft_tensor_parallel_size: with a mesh, 1 = replicated draft, or the target's tp [None = the target's].
     """
 
     num_speculative_tokens: int = 4
@@ -537,8 +538,11 @@ class SpecConfig:
     diffspec_scorer: str = "attention"
     diffspec_redundancy_weight: float = 0.0
     diffspec_scoring_layer: int | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_tensor_parallel_size is not None:
+            _check_positive_ints(self, ("draft_tensor_parallel_size",))
         _check_positive_ints(self, ("num_speculative_tokens", "diffspec_chunk_size", "diffspec_token_budget",
                                     "diffspec_retrieval_interval"))
         k = self.num_speculative_tokens

@@ -20,17 +20,21 @@ on due cycles only; everything on the device has static shapes, so nothing recom
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from diffspec_jax import retrieval, verification, working_cache
+from diffspec_jax import retrieval, sharding, verification, working_cache
 from diffspec_jax.cache import KVCache, round_capacity
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.errors import ConfigError, InputError
@@ -92,6 +96,26 @@ class Plan:
     aux_layers: tuple[int, ...]
     capacity: int
     proposer: Callable | None = None
+    mesh: Mesh | None = None
+    draft_tp: int = 1
+
+    @property
+    def tp(self) -> int:
+        return sharding.mesh_size(self.mesh, sharding.TP)
+
+    @property
+    def dp(self) -> int:
+        return sharding.mesh_size(self.mesh, sharding.DP)
+
+    @property
+    def tp_axis(self) -> str | None:
+        """Axis name for the target's collectives (``None`` without a mesh)."""
+        return sharding.TP if self.mesh is not None else None
+
+    @property
+    def draft_axis(self) -> str | None:
+        """Axis name for a sharded draft (``None``: the draft is replicated)."""
+        return sharding.TP if self.mesh is not None and self.draft_tp > 1 else None
 
     @property
     def speculative(self) -> bool:
@@ -117,10 +141,12 @@ class Plan:
         return retrieval.num_chunks(self.capacity, self.spec.diffspec_chunk_size)
 
 
-def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:
+def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:
     tc, dc = plan.target, plan.draft
     feat = len(plan.aux_layers) * tc.hidden_size if dc is not None else 1
     k1 = plan.k + 1
+    kv_t = sharding.kv_heads_for(tc.num_key_value_heads, plan.tp, "the target")
+    kv_d = sharding.kv_heads_for(dc.num_key_value_heads, plan.draft_tp, "the draft") if dc is not None else 0
     ret = None
     if plan.diffspec:
         hq = tc.num_attention_heads
@@ -129,11 +155,12 @@ def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> 
             score_q=jnp.zeros((batch, hq, tc.head_dim), jnp.float32),
             score_lse=jnp.zeros((batch, hq), jnp.float32),
             draft_q=jnp.zeros((batch, dc.num_attention_heads, dc.head_dim), jnp.float32),
-            chunk_sum=(jnp.zeros((batch, plan.num_chunks, dc.num_key_value_heads, dc.head_dim), jnp.float32)
+            chunk_sum=(jnp.zeros((batch, plan.num_chunks, kv_d, dc.head_dim), jnp.float32)
                        if retrieval.needs_summaries(plan.spec) else None))
     return DecodeState(
-        target_cache=KVCache.create(tc, batch, plan.capacity, target_dtype),
-        draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype) if dc is not None else None,
+        target_cache=KVCache.create(tc, batch, plan.capacity, target_dtype, num_kv_heads=kv_t),
+        draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype, num_kv_heads=kv_d)
+        if dc is not None else None,
         retrieval=ret,
         length=jnp.zeros((batch,), jnp.int32), last_token=jnp.zeros((batch,), jnp.int32),
         pend_tokens=jnp.zeros((batch, k1), jnp.int32),
@@ -167,7 +194,7 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
     rows = jnp.clip(last - start, 0, w - 1)[:, None]
     out, tcache = llama.step(plan.target, tparams, state.target_cache, tokens, start, rows,
                              aux_layers=plan.aux_layers if plan.draft is not None else (),
-                             score_layer=plan.score_layer)
+                             score_layer=plan.score_layer, axis_name=plan.tp_axis)
     in_chunk = (last >= start) & (last < start + w)
     sel = lambda new, old: jnp.where(in_chunk.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
     acc = acc.replace(logits=sel(out.logits[:, 0], acc.logits))
@@ -175,7 +202,8 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
     if plan.draft is not None:
         acc = acc.replace(aux=sel(_rows(out.aux, rows[:, 0]), acc.aux))
         positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
-        z, _ = eagle3.entry_inputs(plan.draft, dparams, next_tokens, out.aux, from_target=True)
+        z, _ = eagle3.entry_inputs(plan.draft, dparams, next_tokens, out.aux, from_target=True,
+                                   axis_name=plan.draft_axis)
         _, k, v = eagle3.qkv(dparams, z)
         dcache = working_cache.commit(plan.draft, plan.spec, state.draft_cache, k, v, positions)
         state = state.replace(draft_cache=dcache)
@@ -192,7 +220,7 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
 
 def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths):
     """Sample the first token x_P and make entry P-1 (x_P, F_{P-1}) the pending root."""
-    rng, key = jax.random.split(state.rng)
+    rng, key = _split(plan, state.rng)
     first = choose(key, acc.logits, plan.sampling)
     k1 = plan.k + 1
     state = state.replace(
@@ -229,7 +257,9 @@ def draft_propose(plan: Plan, dparams, state: DecodeState, active, key):
     dc, spec = plan.draft, plan.spec
     k1 = spec.num_speculative_tokens + 1
     positions = (state.length - state.pend_count)[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
-    z, residual = eagle3.entry_inputs(dc, dparams, state.pend_tokens, state.pend_feats, from_target=True)
+    ax = plan.draft_axis
+    z, residual = eagle3.entry_inputs(dc, dparams, state.pend_tokens, state.pend_feats, from_target=True,
+                                      axis_name=ax)
     q, k, v = eagle3.qkv(dparams, z)
     cache = working_cache.commit(dc, spec, state.draft_cache, k, v, positions)
     ret = state.retrieval
@@ -253,7 +283,7 @@ def draft_propose(plan: Plan, dparams, state: DecodeState, active, key):
         n, window = root, root
         local = n[:, None]
     attn = working_cache.draft_attention(dc, cache, eagle3.rope(dc, q_r, local), local)
-    h2, logits = eagle3.finish(dc, dparams, res_r, attn)
+    h2, logits = eagle3.finish(dc, dparams, res_r, attn, ax)
     drafts, qs = [], []
     for j in range(spec.num_speculative_tokens):
         key, sub = jax.random.split(key)
@@ -262,12 +292,12 @@ def draft_propose(plan: Plan, dparams, state: DecodeState, active, key):
         qs.append(qp)
         if j == spec.num_speculative_tokens - 1:
             break
-        z, residual = eagle3.entry_inputs(dc, dparams, tok[:, None], h2, from_target=False)
+        z, residual = eagle3.entry_inputs(dc, dparams, tok[:, None], h2, from_target=False, axis_name=ax)
         qj, kj, vj = eagle3.qkv(dparams, z)
         local = local + 1
         cache = working_cache.write_slots(cache, eagle3.rope(dc, kj, local), vj, local)
         attn = working_cache.draft_attention(dc, cache, eagle3.rope(dc, qj, local), local)
-        h2, logits = eagle3.finish(dc, dparams, residual, attn)
+        h2, logits = eagle3.finish(dc, dparams, residual, attn, ax)
     q_all = None if qs[0] is None else jnp.stack(qs, axis=1)
     return jnp.stack(drafts, axis=1), q_all, cache, ret, n, window
 
@@ -275,7 +305,7 @@ def draft_propose(plan: Plan, dparams, state: DecodeState, active, key):
 # ------------------------------------------------------------------------------------------------ cycles
 def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     """One draft -> verify -> accept cycle. Returns ``(state, emitted [B, K+1], m [B], n [B], window [B])``."""
-    rng, k_draft, k_verify = jax.random.split(state.rng, 3)
+    rng, k_draft, k_verify = _split(plan, state.rng, 3)
     propose = plan.proposer or draft_propose
     drafts, q, dcache, ret, n, window = propose(plan, dparams, state, active, k_draft)
     k1 = plan.k + 1
@@ -283,7 +313,7 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     rows = jnp.broadcast_to(jnp.arange(k1, dtype=jnp.int32), block.shape)
     out, tcache = llama.step(plan.target, tparams, state.target_cache, block, state.length, rows,
                              aux_layers=plan.aux_layers if plan.draft is not None else (),
-                             score_layer=plan.score_layer)
+                             score_layer=plan.score_layer, axis_name=plan.tp_axis)
     if plan.sampling.greedy:
         m, emitted = verification.greedy_accept(out.logits, drafts)
     else:
@@ -310,9 +340,10 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
 
 def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     """Autoregressive baseline: one target step on ``last_token``; same cache machinery."""
-    rng, key = jax.random.split(state.rng)
+    rng, key = _split(plan, state.rng)
     rows = jnp.zeros((state.length.shape[0], 1), jnp.int32)
-    out, tcache = llama.step(plan.target, tparams, state.target_cache, state.last_token[:, None], state.length, rows)
+    out, tcache = llama.step(plan.target, tparams, state.target_cache, state.last_token[:, None], state.length, rows,
+                             axis_name=plan.tp_axis)
     tok = choose(key, out.logits[:, 0], plan.sampling)
     zero = jnp.zeros_like(state.length)
     state = state.replace(target_cache=tcache, rng=rng, length=jnp.where(active, state.length + 1, state.length),
@@ -321,31 +352,121 @@ def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
 
 
 def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):
-    """Score chunks and replace the selection of the sequences in ``mask`` (bool ``[B]``)."""
+    """Score chunks and replace the selection of the sequences in ``mask`` (bool ``[B]``).
+
+    Returns the state and each shard's anchors ``[1, B, A]`` (stacked over ``tp`` by the caller's out specs), so
+    the host can check that every rank selected the same chunks.
+    """
     spec, ret = plan.spec, state.retrieval
     c = spec.diffspec_chunk_size
     root = state.length - 1
-    if spec.diffspec_scorer == "attention":
+    if spec.diffspec_scorer == "attention":  # each shard sums its query heads; one psum gives identical scores
         k_cache = state.target_cache.k[plan.score_layer]
-        scores = retrieval.chunk_scores_reference(ret.score_q, ret.score_lse, k_cache, root, c)
+        scores = retrieval.head_sum_scores(ret.score_q, ret.score_lse, k_cache, root, c)
+        if plan.tp_axis is not None:
+            scores = jax.lax.psum(scores, plan.tp_axis)
+        scores = scores / plan.target.num_attention_heads
     else:  # salience: the upcoming root entry's draft query against the chunk key summaries
         rrow = state.pend_count - 1
         z, _ = eagle3.entry_inputs(plan.draft, dparams, _rows(state.pend_tokens, rrow)[:, None],
-                                   _rows(state.pend_feats, rrow)[:, None], from_target=True)
+                                   _rows(state.pend_feats, rrow)[:, None], from_target=True,
+                                   axis_name=plan.draft_axis)
         q = eagle3.qkv(dparams, z)[0][:, 0].astype(jnp.float32)
-        scores = retrieval.salience_scores(q, ret.chunk_sum, root, c)
+        scores = retrieval.salience_scores(_gather_heads(plan, q, 1), _gather_heads(plan, ret.chunk_sum, 2), root,
+                                           c)
+    summaries = None if ret.chunk_sum is None else _gather_heads(plan, ret.chunk_sum, 2)
     anchors = retrieval.select_chunks(scores, root, c, spec.max_chunks, spec.diffspec_keep_sink_chunk,
-                                      spec.diffspec_redundancy_weight, ret.chunk_sum)
+                                      spec.diffspec_redundancy_weight, summaries)
     anchors = jnp.where(mask[:, None], anchors, ret.anchors)
-    return state.replace(retrieval=ret.replace(anchors=anchors)), anchors
+    return state.replace(retrieval=ret.replace(anchors=anchors)), anchors[None]
 
 
-_jit = dict(static_argnums=(0,), donate_argnames=("state",))
-prefill_chunk_fn = jax.jit(_prefill_chunk, **_jit)
-start_decode_fn = jax.jit(_start_decode, **_jit)
-spec_cycle_fn = jax.jit(_spec_cycle, **_jit)
-target_cycle_fn = jax.jit(_target_cycle, **_jit)
-retrieve_fn = jax.jit(_retrieve, **_jit)
+def _gather_heads(plan: Plan, x: jax.Array, axis: int) -> jax.Array:
+    """All heads of a sharded draft's per-head array (replicated drafts already hold them)."""
+    if plan.draft_axis is None:
+        return x
+    return jax.lax.all_gather(x, plan.draft_axis, axis=axis, tiled=True)
+
+
+def _split(plan: Plan, rng: jax.Array, n: int = 2):
+    """Split the replicated key; data-parallel replicas fold in their index so their samples are independent."""
+    keys = jax.random.split(rng, n)
+    if plan.mesh is not None and plan.dp > 1:
+        dp = jax.lax.axis_index(sharding.DP)
+        return (keys[0],) + tuple(jax.random.fold_in(k, dp) for k in keys[1:])
+    return tuple(keys)
+
+
+# ------------------------------------------------------------------------------------------ compilation
+def state_specs(plan: Plan) -> DecodeState:
+    """PartitionSpecs of every :class:`DecodeState` leaf (batch over ``dp``; heads over ``tp``)."""
+    dp = sharding.DP if plan.dp > 1 else None
+    tp = sharding.TP
+    dtp = tp if plan.draft_tp > 1 else None
+    heads = P(dp, None, tp, None)
+    dheads = P(dp, None, dtp, None)
+    n = plan.target.num_hidden_layers
+    dcache = None
+    if plan.draft is not None:
+        store = dheads if plan.spec.uses_working_cache else None
+        dcache = DraftCache(work_k=dheads, work_v=dheads, store_k=store, store_v=store)
+    ret = None
+    if plan.diffspec:
+        ret = retrieval.RetrievalState(anchors=P(dp, None), score_q=P(dp, tp, None), score_lse=P(dp, tp),
+                                       draft_q=P(dp, dtp, None),
+                                       chunk_sum=dheads if retrieval.needs_summaries(plan.spec) else None)
+    return DecodeState(target_cache=KVCache(k=(heads,) * n, v=(heads,) * n), draft_cache=dcache, retrieval=ret,
+                       length=P(dp), last_token=P(dp), pend_tokens=P(dp, None), pend_feats=P(dp, None, None),
+                       pend_count=P(dp), seq_id=P(dp), rng=P())
+
+
+def _spec_tree(key):
+    return None if key is None else jax.tree_util.tree_unflatten(key[0], key[1])
+
+
+def param_spec_key(params) -> tuple | None:
+    """A hashable description of how ``params`` are sharded (its tree and each leaf's PartitionSpec)."""
+    if params is None:
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    return treedef, tuple(x.sharding.spec for x in leaves)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
+    """The jitted steps of ``plan``: plain ``jit`` without a mesh, ``jit(shard_map(...))`` with one. Cached per
+    plan, so repeated :func:`generate` calls reuse the compilations."""
+    fns = dict(prefill_chunk=(_prefill_chunk, 2), start_decode=(_start_decode, 0), retrieve=(_retrieve, 2),
+               cycle=(_spec_cycle if plan.speculative else _target_cycle, 2))
+    if plan.mesh is None:
+        return SimpleNamespace(**{name: jax.jit(functools.partial(fn, plan), donate_argnums=(i,))
+                                  for name, (fn, i) in fns.items()})
+    dp = sharding.DP if plan.dp > 1 else None
+    tp = sharding.TP
+    st = state_specs(plan)
+    tparams, dparams = _spec_tree(tspec_key), _spec_tree(dspec_key)
+    acc = _PrefillAcc(logits=P(dp, None), aux=P(dp, None), score_q=P(dp, tp, None), score_lse=P(dp, tp))
+    row = P(dp)
+    specs = dict(
+        prefill_chunk=((tparams, dparams, st, acc, P(dp, None), P(dp, None), row, row), (st, acc)),
+        start_decode=((st, acc, row), (st, row)),
+        cycle=((tparams, dparams, st, row), (st, P(dp, None), row, row, row)),
+        retrieve=((tparams, dparams, st, row), (st, P(tp, dp, None))))
+    out = {}
+    for name, (fn, i) in fns.items():
+        ins, outs = specs[name]
+        mapped = jax.shard_map(functools.partial(fn, plan), mesh=plan.mesh, in_specs=ins, out_specs=outs,
+                               check_vma=False)
+        out[name] = jax.jit(mapped, donate_argnums=(i,))
+    return SimpleNamespace(**out)
+
+
+def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:
+    """A zeroed :class:`DecodeState`, created directly with its shardings when the plan has a mesh."""
+    make = functools.partial(_init_state, plan, batch, target_dtype, draft_dtype, seed)
+    if plan.mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=sharding.named(state_specs(plan), plan.mesh))()
 
 
 # ------------------------------------------------------------------------------------------- host side
@@ -367,6 +488,7 @@ class RetrievalCounters:
     window_tokens: int = 0
     retrieval_ms: float = 0.0
     selection_digest: str = ""
+    ranks_agree: bool = True
     # bookkeeping (not reported)
     _since: int = 0
     _ms_total: float = 0.0
@@ -406,9 +528,12 @@ class _RetrievalControl:
             return False
         return True
 
-    def record(self, seq: int, anchors: np.ndarray, root: int, ms: float, after_prefill: bool) -> None:
+    def record(self, seq: int, rank_anchors: np.ndarray, root: int, ms: float, after_prefill: bool) -> None:
+        """Book a retrieval; ``rank_anchors [ranks, A]`` holds every tensor-parallel rank's selection."""
         c, spec = self.c[seq], self.spec
         chunk = spec.diffspec_chunk_size
+        anchors = rank_anchors[0]
+        c.ranks_agree = c.ranks_agree and bool(np.all(rank_anchors == anchors[None]))
         selected = tuple(sorted({int(a) for a in anchors if a >= 0} | {root // chunk}))
         c.retrievals += 1
         c.retrievals_after_prefill += int(after_prefill)
@@ -437,13 +562,14 @@ class _RetrievalControl:
         c._accept_n += 1
         c.working_len, c.window_tokens = n, window
 
-    def status(self) -> dict[str, Any]:
-        per = [c.report() for c in self.c]
+    def status(self, real: int | None = None) -> dict[str, Any]:
+        per = [c.report() for c in self.c[:real]]
         keys = ("cycles", "retrievals", "retrievals_after_prefill", "skipped_prefill", "skipped_not_due",
                 "skipped_fits")
         agg: dict[str, Any] = {k: sum(p[k] for p in per) for k in keys}
-        ms = [c._ms_total for c in self.c]
+        ms = [c._ms_total for c in self.c[:real]]
         agg["retrieval_ms"] = sum(ms) / max(1, agg["retrievals"])
+        agg["ranks_agree"] = all(p["ranks_agree"] for p in per)
         agg["selection_digest"] = _digest([hash(p["selection_digest"]) & 0xFFFF for p in per])
         return {"aggregate": agg, "per_sequence": per}
 
@@ -514,7 +640,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
              spec: SpecConfig = SpecConfig(), sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
              stop_token_ids: Sequence[int] | None = None, max_cache_len: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_tokens: Callable[[int, list[int]], None] | None = None,
-             progress: bool = False, proposer: Callable | None = None) -> GenerateResult:
+             progress: bool = False, proposer: Callable | None = None, mesh: Mesh | None = None) -> GenerateResult:
     """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
 
     Args:
@@ -530,6 +656,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         on_tokens: called as ``on_tokens(i, new_ids)`` whenever prompt i gains tokens (streaming).
         progress: show a progress bar on stderr.
         proposer: a custom draft function with the signature of :func:`draft_propose` (tests use an oracle).
+        mesh: a ``("dp", "tp")`` mesh from :func:`diffspec_jax.make_mesh` for tensor (and data) parallelism;
+            the draft is sharded like the target or replicated per ``spec.draft_tensor_parallel_size``.
     Returns:
         :class:`GenerateResult` with ``.tokens`` and ``.stats``.
     Raises:
@@ -547,13 +675,26 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     if max_cache_len is not None and max_cache_len < need:
         raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) + K + 1 "
                          f"= {need} positions exceed the cache capacity max_cache_len={max_cache_len}")
+    draft_tp = 1
+    if mesh is not None and draft is not None:
+        tp = sharding.mesh_size(mesh, sharding.TP)
+        draft_tp = tp if spec.draft_tensor_parallel_size is None else spec.draft_tensor_parallel_size
+        if draft_tp not in (1, tp):
+            raise ConfigError(f"draft_tensor_parallel_size must be 1 (replicated draft) or the target's tp={tp}, "
+                              f"got {draft_tp}")
     plan = Plan(target=tc, draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
                 aux_layers=draft.aux_layers if draft is not None else (),
-                capacity=round_capacity(max_cache_len or need), proposer=proposer)
+                capacity=round_capacity(max_cache_len or need), proposer=proposer, mesh=mesh, draft_tp=draft_tp)
     stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    tparams, dparams = target.params, draft.params if draft is not None else None
+    tparams, dparams = prepare_params(target, draft, mesh, draft_tp)
+    fns = compiled(plan, param_spec_key(tparams) if mesh is not None else None,
+                   param_spec_key(dparams) if mesh is not None else None)
+    real = len(prompts)
+    if plan.dp > 1 and real % plan.dp:  # pad the batch to a multiple of the data-parallel axis with dummy rows
+        prompts = prompts + [prompts[0]] * (plan.dp - real % plan.dp)
+        lengths = np.array([len(p) for p in prompts], np.int32)
     batch = len(prompts)
-    stats = GenerateStats(num_sequences=batch, num_speculative_tokens=k,
+    stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
                           draft_context_policy=spec.draft_context_policy if draft is not None else None,
                           acceptance_per_position=[0] * k)
     ctl = _RetrievalControl(spec, batch) if plan.diffspec else None
@@ -569,20 +710,20 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     jl = jnp.asarray(lengths)
     for c in range(n_chunks):
         s = c * width
-        state, acc = prefill_chunk_fn(plan, tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
-                                      jnp.asarray(tokens[:, s + 1:s + width + 1]),
-                                      jnp.full((batch,), s, jnp.int32), jl)
-    state, first = start_decode_fn(plan, state, acc, jl)
+        state, acc = fns.prefill_chunk(tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
+                                       jnp.asarray(tokens[:, s + 1:s + width + 1]),
+                                       jnp.full((batch,), s, jnp.int32), jl)
+    state, first = fns.start_decode(state, acc, jl)
     first = np.asarray(first)
     out: list[list[int]] = [[] for _ in range(batch)]
-    done = np.zeros(batch, bool)
+    done = np.arange(batch) >= real
     host_len = lengths.astype(np.int64).copy()
 
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=batch * max_new_tokens, unit="tok", leave=False)
+        bar = tqdm(total=real * max_new_tokens, unit="tok", leave=False)
 
     def emit(seq: int, toks) -> None:
         added = []
@@ -599,27 +740,27 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             if bar is not None:
                 bar.update(len(added))
 
-    for b in range(batch):
+    for b in range(real):
         emit(b, [first[b]])
     if ctl is not None:
-        state = _retrieve_after_prefill(plan, ctl, tparams, dparams, state, host_len)
+        state = _retrieve_after_prefill(plan, fns, ctl, tparams, dparams, state, host_len, real)
     jax.block_until_ready(state.length)
     stats.prefill_s = time.perf_counter() - t0
 
     t1 = time.perf_counter()
     rows = np.arange(batch)  # device row -> sequence
-    cycle = spec_cycle_fn if plan.speculative else target_cycle_fn
     while not done.all():
         live = ~done[rows]
-        if live.sum() <= len(rows) // 2:  # compact: finished sequences stop costing work
+        size = 1 << (int(live.sum()) - 1).bit_length()
+        size = -(-size // plan.dp) * plan.dp
+        if size <= len(rows) // 2:  # compact: finished sequences stop costing work
             keep = rows[live]
-            size = 1 << (len(keep) - 1).bit_length()
             fill = [r for r in range(len(rows)) if not live[r]][: size - len(keep)]
             order = np.concatenate([np.nonzero(live)[0], np.array(fill, np.int64)]).astype(np.int64)
             state = state.take(order)
             rows = rows[order]
             live = ~done[rows]
-        state, emitted, m, n, window = cycle(plan, tparams, dparams, state, jnp.asarray(live))
+        state, emitted, m, n, window = fns.cycle(tparams, dparams, state, jnp.asarray(live))
         emitted, m, n, window = (np.asarray(x) for x in (emitted, m, n, window))
         stats.cycles += 1
         due = np.zeros(len(rows), bool)
@@ -637,7 +778,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                 ctl.observe(seq, int(m[r]) + 1, int(n[r]), int(window[r]))
                 due[r] = ctl.due(seq, int(host_len[seq]) - 1)
         if ctl is not None and due.any():
-            state = _timed_retrieve(plan, ctl, tparams, dparams, state, due, rows, host_len, after_prefill=False)
+            state = _timed_retrieve(fns, ctl, tparams, dparams, state, due, rows, host_len, after_prefill=False)
     jax.block_until_ready(state.length)
     stats.decode_s = time.perf_counter() - t1
     if bar is not None:
@@ -646,32 +787,40 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     stats.drafted_tokens = stats.sequence_cycles * k
     if stats.sequence_cycles:
         stats.mean_acceptance_length = (stats.accepted_tokens + stats.sequence_cycles) / stats.sequence_cycles
-    decoded = stats.new_tokens - batch  # the first token of each sequence comes from prefill
+    decoded = stats.new_tokens - real  # the first token of each sequence comes from prefill
     stats.decode_tokens_per_s = decoded / stats.decode_s if stats.decode_s > 0 and decoded > 0 else None
     if ctl is not None:
-        stats.retrieval = ctl.status()
-    return GenerateResult(tokens=out, stats=stats)
+        stats.retrieval = ctl.status(real)
+    return GenerateResult(tokens=out[:real], stats=stats)
 
 
-def _timed_retrieve(plan, ctl, tparams, dparams, state, mask, rows, host_len, *, after_prefill):
+def prepare_params(target: TargetModel, draft, mesh: Mesh | None, draft_tp: int = 1):
+    """Params as the plan needs them: unchanged without a mesh; otherwise in tensor-parallel layout on the mesh
+    (memoised per model and mesh, see :func:`sharding.prepare`)."""
+    if mesh is None:
+        return target.params, draft.params if draft is not None else None
+    tparams = sharding.prepare(target, mesh, sharding.mesh_size(mesh, sharding.TP))
+    return tparams, sharding.prepare(draft, mesh, draft_tp) if draft is not None else None
+
+
+def _timed_retrieve(fns, ctl, tparams, dparams, state, mask, rows, host_len, *, after_prefill):
     t = time.perf_counter()
-    state, anchors = retrieve_fn(plan, tparams, dparams, state, jnp.asarray(mask))
-    anchors = np.asarray(anchors)
+    state, anchors = fns.retrieve(tparams, dparams, state, jnp.asarray(mask))
+    anchors = np.asarray(anchors)  # [ranks, B, A]: every tensor-parallel rank's selection
     ms = (time.perf_counter() - t) * 1e3 / max(1, int(mask.sum()))
     for r in np.nonzero(mask)[0]:
-        ctl.record(int(rows[r]), anchors[r], int(host_len[rows[r]]) - 1, ms, after_prefill)
+        ctl.record(int(rows[r]), anchors[:, r], int(host_len[rows[r]]) - 1, ms, after_prefill)
     return state
 
 
-def _retrieve_after_prefill(plan, ctl, tparams, dparams, state, host_len):
+def _retrieve_after_prefill(plan, fns, ctl, tparams, dparams, state, host_len, real):
     """DiffSpec's retrieval right after prefill, from the last prompt position's query (when switched on)."""
-    batch = len(host_len)
     if not plan.spec.diffspec_retrieve_after_prefill:
-        for c in ctl.c:
+        for c in ctl.c[:real]:
             c.skipped_prefill += 1
         return state
-    mask = np.array([not ctl.fits(int(host_len[b]) - 1) for b in range(batch)])
+    mask = np.array([b < real and not ctl.fits(int(host_len[b]) - 1) for b in range(len(host_len))])
     if mask.any():
-        state = _timed_retrieve(plan, ctl, tparams, dparams, state, mask, np.arange(batch), host_len,
+        state = _timed_retrieve(fns, ctl, tparams, dparams, state, mask, np.arange(len(host_len)), host_len,
                                 after_prefill=True)
     return state

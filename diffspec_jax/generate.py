@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=int, default=SpecConfig.diffspec_chunk_size)
     ap.add_argument("--token-budget", type=int, default=SpecConfig.diffspec_token_budget)
     ap.add_argument("--retrieval-interval", type=int, default=SpecConfig.diffspec_retrieval_interval)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices on the mesh's tp axis)")
+    ap.add_argument("--draft-tp", type=int, default=None, help="draft tensor-parallel size: 1 (replicated) or --tp")
     ap.add_argument("--dtype", default=None, help="bfloat16 | float32 (default: bfloat16, float32 for the random "
                                                  "default pair)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
@@ -130,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         draft = load_draft(draft_dir, target) if draft_dir is not None else None
         spec = SpecConfig(num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=args.policy,
                           diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
-                          diffspec_retrieval_interval=args.retrieval_interval)
+                          diffspec_retrieval_interval=args.retrieval_interval,
+                          draft_tensor_parallel_size=args.draft_tp)
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         tok = _tokenizer(target_dir)
         prompt = _prompt_ids(args, tok, target.config.vocab_size)
@@ -138,8 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         if random_pair and not args.json:
             print(f"[embedded default: RANDOM tiny target + draft in {target_dir.parent}; tokens are meaningless, "
                   f"no draft token will be accepted]", file=sys.stderr)
+        from diffspec_jax.sharding import make_mesh
+
+        mesh = make_mesh(args.tp) if args.tp > 1 else None
         kwargs = dict(max_new_tokens=args.max_new_tokens, spec=spec, sampling=sampling, seed=args.seed,
-                      stop_token_ids=() if args.ignore_eos else None)
+                      stop_token_ids=() if args.ignore_eos else None, mesh=mesh)
         if args.compare:  # compile both paths first, so the timed runs below measure decoding only
             engine.generate(target, draft, [prompt], **kwargs)
             engine.generate(target, None, [prompt], **kwargs)

@@ -107,20 +107,39 @@ def _forward_jit(config: ModelConfig, params, tokens):
     return llama.forward(config, params, tokens)
 
 
-def forward(model: TargetModel, token_ids: Any) -> jax.Array:
+@functools.lru_cache(maxsize=16)
+def _forward_tp(config: ModelConfig, mesh, spec_key):
+    from jax.sharding import PartitionSpec as P
+
+    from diffspec_jax import sharding
+
+    specs = jax.tree_util.tree_unflatten(*spec_key)
+    fn = functools.partial(llama.forward, config, axis_name=sharding.TP)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False))
+
+
+def forward(model: TargetModel, token_ids: Any, *, mesh=None) -> jax.Array:
     """Full-sequence logits without a cache (the reference path).
 
     Args:
         token_ids: int ``[B, T]`` (a ``[T]`` vector is treated as batch 1).
+        mesh: optional ``("dp", "tp")`` mesh: run tensor-parallel over its ``tp`` axis.
     Returns:
-        float32 ``[B, T, V]``.
+        float32 ``[B, T, V]`` (identical on every shard under tensor parallelism).
     """
     ids = check_token_ids(token_ids, model.config.vocab_size)
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2:
         raise InputError(f"token_ids must be [batch, tokens], got shape {ids.shape}")
-    return _forward_jit(model.config, model.params, jnp.asarray(ids))
+    if mesh is None:
+        return _forward_jit(model.config, model.params, jnp.asarray(ids))
+    from diffspec_jax import sharding
+
+    params = sharding.prepare(model, mesh, sharding.mesh_size(mesh, sharding.TP))
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    key = (treedef, tuple(x.sharding.spec for x in leaves))
+    return _forward_tp(model.config, mesh, key)(params, jnp.asarray(ids))
 
 
 #: the cached step, jitted once per (config, shapes, aux layers, scoring layer); the cache is donated

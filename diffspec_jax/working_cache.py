@@ -45,9 +45,11 @@ class DraftCache:
     store_v: jax.Array | None = None
 
     @classmethod
-    def create(cls, config: DraftConfig, spec: SpecConfig, batch: int, capacity: int, dtype) -> DraftCache:
-        """Zero-filled buffers: ``capacity`` = the target cache capacity (absolute positions)."""
-        hkv, d = config.num_key_value_heads, config.head_dim
+    def create(cls, config: DraftConfig, spec: SpecConfig, batch: int, capacity: int, dtype,
+               num_kv_heads: int | None = None) -> DraftCache:
+        """Zero-filled buffers: ``capacity`` = the target cache capacity (absolute positions); ``num_kv_heads``
+        overrides the config's (KV heads repeated for tensor parallelism)."""
+        hkv, d = num_kv_heads or config.num_key_value_heads, config.head_dim
         if not spec.uses_working_cache:
             z = jnp.zeros((batch, capacity, hkv, d), dtype)
             return cls(work_k=z, work_v=z.copy())

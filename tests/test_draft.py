@@ -126,9 +126,10 @@ def test_engine_chain_drafts_match_numpy_chain(arch, targets, drafts):
                              score_q=jnp.zeros((1, 4, target.config.head_dim)), score_lse=jnp.zeros((1, 4)))
     toks = np.zeros((1, 65), np.int32)
     toks[0, :30] = prompt
-    state, acc = engine.prefill_chunk_fn(plan, target.params, draft.params, state, acc, jnp.asarray(toks[:, :64]),
-                                         jnp.asarray(toks[:, 1:65]), jnp.zeros(1, jnp.int32), jnp.asarray([30]))
-    state, first = engine.start_decode_fn(plan, state, acc, jnp.asarray([30]))
+    fns = engine.compiled(plan)
+    state, acc = fns.prefill_chunk(target.params, draft.params, state, acc, jnp.asarray(toks[:, :64]),
+                                   jnp.asarray(toks[:, 1:65]), jnp.zeros(1, jnp.int32), jnp.asarray([30]))
+    state, first = fns.start_decode(state, acc, jnp.asarray([30]))
     drafts_, _, _, _, n, _ = engine.draft_propose(plan, draft.params, state, jnp.asarray([True]),
                                                   jnp.zeros(2, jnp.uint32))
     aux, logits = target_aux(target, draft, prompt)

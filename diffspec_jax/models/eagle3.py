@@ -34,7 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffspec_jax.config import DraftConfig
-from diffspec_jax.models.layers import apply_rope, attention_dense, causal_mask, rms_norm, rope_cos_sin, swiglu
+from diffspec_jax.models.layers import (
+    apply_rope, attention_dense, causal_mask, embed_lookup, gather_vocab, rms_norm, rope_cos_sin, swiglu,
+)
 
 Params = dict[str, Any]
 
@@ -76,16 +78,17 @@ def init_params(config: DraftConfig, num_aux: int = 3, seed: int = 0, dtype=jnp.
     return params
 
 
-def entry_inputs(config: DraftConfig, p: Params, tokens: jax.Array, g: jax.Array, *, from_target: bool
-                 ) -> tuple[jax.Array, jax.Array]:
+def entry_inputs(config: DraftConfig, p: Params, tokens: jax.Array, g: jax.Array, *, from_target: bool,
+                 axis_name: str | None = None) -> tuple[jax.Array, jax.Array]:
     """``(z [B, T, 2H], residual [B, T, H])`` of entries (tokens int32 ``[B, T]`` in the target vocabulary).
 
     Args:
         g: ``[B, T, A*Ht]`` target aux states (``from_target=True``: ``fc`` applies) or ``[B, T, H]`` draft h2.
+        axis_name: tensor-parallel axis of a sharded draft (vocabulary-parallel embedding).
     """
     if from_target:
         g = g.astype(p["fc"].dtype) @ p["fc"]
-    e = p["embed"][tokens].astype(g.dtype)
+    e = embed_lookup(p["embed"], tokens, axis_name).astype(g.dtype)
     eps = config.rms_norm_eps
     g_normed = rms_norm(g, p["hidden_norm"], eps)
     residual = g_normed if config.norm_before_residual else g
@@ -104,14 +107,25 @@ def rope(config: DraftConfig, x: jax.Array, positions: jax.Array) -> jax.Array:
     return apply_rope(x, cos, sin, interleaved=config.rope.interleaved)
 
 
-def finish(config: DraftConfig, p: Params, residual: jax.Array, attn: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """From the attention output ``[B, T, Hq, D]`` to ``(h2 [B, T, H], draft logits float32 [B, T, Vd])``."""
-    h = residual + jnp.einsum("btnd,ndh->bth", attn, p["wo"]).astype(residual.dtype)
+def finish(config: DraftConfig, p: Params, residual: jax.Array, attn: jax.Array, axis_name: str | None = None
+           ) -> tuple[jax.Array, jax.Array]:
+    """From the attention output ``[B, T, Hq, D]`` to ``(h2 [B, T, H], draft logits float32 [B, T, Vd])``.
+
+    With ``axis_name`` (a sharded draft) ``wo`` and ``w_down`` are row-parallel (``psum``) and the head is
+    vocabulary-parallel (all-gather).
+    """
+    o = jnp.einsum("btnd,ndh->bth", attn, p["wo"])
+    if axis_name is not None:
+        o = jax.lax.psum(o, axis_name)
+    h = residual + o.astype(residual.dtype)
     eps = config.rms_norm_eps
-    h2 = h + swiglu(rms_norm(h, p["mlp_norm"], eps), p["w_gate"], p["w_up"], p["w_down"])
+    m = swiglu(rms_norm(h, p["mlp_norm"], eps), p["w_gate"], p["w_up"], p["w_down"])
+    if axis_name is not None:
+        m = jax.lax.psum(m, axis_name)
+    h2 = h + m
     logits = jnp.einsum("bth,hv->btv", rms_norm(h2, p["final_norm"], eps), p["lm_head"],
                         preferred_element_type=jnp.float32)
-    return h2, logits
+    return h2, gather_vocab(logits, config.draft_vocab_size, axis_name)
 
 
 def to_target_ids(p: Params, draft_ids: jax.Array) -> jax.Array:

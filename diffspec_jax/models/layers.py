@@ -142,6 +142,30 @@ def attention_tiled(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, 
     return out.astype(q.dtype), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq)
 
 
+def embed_lookup(embed: jax.Array, tokens: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """Embedding rows ``[..., H]`` of int tokens.
+
+    With ``axis_name`` the table is the shard's vocabulary slice ``[V / tp, H]`` (shard i holds ids
+    ``i * V/tp .. (i+1) * V/tp - 1``): each shard looks up the ids it owns, zeros elsewhere, and a ``psum``
+    assembles the rows (exact: one shard contributes each row).
+    """
+    if axis_name is None:
+        return embed[tokens]
+    v_local = embed.shape[0]
+    local = tokens - jax.lax.axis_index(axis_name) * v_local
+    owned = (local >= 0) & (local < v_local)
+    rows = jnp.where(owned[..., None], embed[jnp.clip(local, 0, v_local - 1)], jnp.zeros((), embed.dtype))
+    return jax.lax.psum(rows, axis_name)
+
+
+def gather_vocab(logits: jax.Array, vocab_size: int, axis_name: str | None = None) -> jax.Array:
+    """Vocabulary-parallel logits ``[..., V / tp]`` -> the full ``[..., V]`` on every shard (all-gather, then drop
+    the padding that made V divisible by tp)."""
+    if axis_name is None:
+        return logits
+    return jax.lax.all_gather(logits, axis_name, axis=logits.ndim - 1, tiled=True)[..., :vocab_size]
+
+
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU MLP: ``down(silu(x @ gate) * (x @ up))``. x ``[..., H]``; weights ``[H, I]``, ``[H, I]``, ``[I, H]``."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down

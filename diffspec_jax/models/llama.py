@@ -26,7 +26,8 @@ from flax import struct
 from diffspec_jax.cache import ATTENTION_TILE, KVCache, write_rows
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.models.layers import (
-    apply_rope, attention_dense, attention_tiled, causal_mask, rms_norm, rope_cos_sin, swiglu,
+    apply_rope, attention_dense, attention_tiled, causal_mask, embed_lookup, gather_vocab, rms_norm, rope_cos_sin,
+    swiglu,
 )
 
 Params = dict[str, Any]
@@ -88,11 +89,15 @@ class StepOutput:
     score_lse: jax.Array | None = None
 
 
-def _lm_head(config: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+def _lm_head(config: ModelConfig, params: Params, x: jax.Array, axis_name: str | None) -> jax.Array:
+    """Final norm and LM head (vocabulary-parallel under tensor parallelism: local logits, then an all-gather, so
+    every shard holds identical full logits)."""
     x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
     if config.tie_word_embeddings:
-        return jnp.einsum("bth,vh->btv", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("bth,hv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bth,vh->btv", x, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("bth,hv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return gather_vocab(logits, config.vocab_size, axis_name)
 
 
 def _attention_block(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -134,12 +139,12 @@ def forward(config: ModelConfig, params: Params, tokens: jax.Array, *, axis_name
     cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
     mask = causal_mask(positions, t)
     scale = config.head_dim ** -0.5
-    x = params["embed"][tokens]
+    x = embed_lookup(params["embed"], tokens, axis_name)
     for lp in params["layers"]:
         x, _, _ = _attention_block(config, lp, x, cos, sin,
                                    lambda q, k, v: attention_dense(q, k, v, mask, scale), axis_name)
         x = _mlp_block(config, lp, x, axis_name)
-    return _lm_head(config, params, x)
+    return _lm_head(config, params, x, axis_name)
 
 
 def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, start: jax.Array,
@@ -167,7 +172,7 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
     capacity = cache.capacity
     dense = t <= DENSE_ATTENTION_MAX_TOKENS
     mask = causal_mask(positions, capacity) if dense else None
-    x = params["embed"][tokens]
+    x = embed_lookup(params["embed"], tokens, axis_name)
     aux, new_k, new_v = [], [], []
     score_q = score_lse = None
     for i, lp in enumerate(params["layers"]):
@@ -187,7 +192,7 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
             score_q = jnp.take_along_axis(q.astype(jnp.float32), rows[:, :, None, None], axis=1)
             score_lse = jnp.take_along_axis(lse, rows[:, :, None], axis=1)
         x = _mlp_block(config, lp, x, axis_name)
-    logits = _lm_head(config, params, jnp.take_along_axis(x, rows[:, :, None], axis=1))
+    logits = _lm_head(config, params, jnp.take_along_axis(x, rows[:, :, None], axis=1), axis_name)
     aux_out = None
     if aux_layers:
         if len(aux) != len(aux_layers):

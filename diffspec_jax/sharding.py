@@ -1,0 +1,158 @@
+"""Tensor (and data) parallelism: the mesh, the sharded parameter layout, and partition specs of the state.
+
+The model code is written for one shard (:mod:`diffspec_jax.models.llama`, :mod:`diffspec_jax.models.eagle3`);
+the engine wraps whole steps in ``jax.shard_map`` over a mesh with axes ``("dp", "tp")``. Layout on the ``tp``
+axis (Megatron style):
+
+* q/k/v projections column-parallel over heads, ``wo`` row-parallel (``psum``); gate/up column-parallel over
+  the intermediate dimension, ``down`` row-parallel (``psum``). Norms are replicated.
+* KV caches (target cache, draft store, working cache) are sharded over KV heads like the k/v projections.
+  When a model has fewer KV heads than ``tp``, each KV head is **repeated** so that every shard holds exactly the
+  one KV head its query heads read (``tp`` must be a multiple of the KV heads): KV memory is replicated
+  ``tp / Hkv`` times, as in vLLM.
+* Embedding and LM head are **vocabulary-parallel**: each shard holds ``V / tp`` rows (the vocabulary is padded
+  with zero rows to a multiple of ``tp``); lookups are masked and ``psum``-ed, logits are computed locally and
+  all-gathered. A replicated head would be simpler, but at decode it makes every shard read the whole
+  ``V x H`` matrix per step (1 GB for Llama-3.1-8B in bf16, a quarter of each shard's weight bytes at TP4);
+  vocabulary parallelism divides that by ``tp`` for an all-gather of ``B x T x V`` float32 logits, and every shard
+  ends with identical logits, so sampling and acceptance agree everywhere without further communication.
+* The draft follows the target's layout with ``draft_tensor_parallel_size == tp``, or is replicated (``1``):
+  one-layer drafts are often faster without collectives; its working cache is then replicated too.
+* The ``dp`` axis shards the batch (independent replicas); multi-host use goes through
+  ``jax.distributed.initialize`` and a mesh over all processes' devices.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diffspec_jax.config import DraftConfig, ModelConfig
+from diffspec_jax.errors import ConfigError
+
+TP, DP = "tp", "dp"
+
+
+def make_mesh(tp: int = 1, dp: int = 1, devices: list | None = None) -> Mesh:
+    """A ``("dp", "tp")`` mesh over the first ``dp * tp`` devices (Auto axes, so jit reshards inputs as needed).
+
+    Works with CPU virtual devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``), one GPU or several;
+    with ``jax.distributed.initialize`` the devices of every process are included.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    if tp < 1 or dp < 1:
+        raise ConfigError(f"mesh sizes must be >= 1, got tp={tp}, dp={dp}")
+    if dp * tp > len(devices):
+        raise ConfigError(f"a mesh of dp={dp} x tp={tp} needs {dp * tp} devices, only {len(devices)} are visible")
+    return Mesh(np.array(devices[: dp * tp]).reshape(dp, tp), (DP, TP))
+
+
+def mesh_size(mesh: Mesh | None, axis: str) -> int:
+    return 1 if mesh is None else int(mesh.shape[axis])
+
+
+def kv_heads_for(num_kv_heads: int, tp: int, what: str) -> int:
+    """KV heads after repetition for ``tp`` shards (refusing layouts that cannot be split)."""
+    if num_kv_heads % tp == 0:
+        return num_kv_heads
+    if tp % num_kv_heads == 0:
+        return tp
+    raise ConfigError(f"tensor parallelism: {what} has {num_kv_heads} KV heads, which neither divide by tp={tp} nor "
+                      f"divide tp")
+
+
+def check_target(config: ModelConfig, tp: int) -> None:
+    """Refuse a target whose heads or intermediate size do not split over ``tp`` shards."""
+    if config.num_attention_heads % tp:
+        raise ConfigError(f"tensor parallelism: the target's num_attention_heads ({config.num_attention_heads}) "
+                          f"is not divisible by tp={tp}")
+    if config.intermediate_size % tp:
+        raise ConfigError(f"tensor parallelism: the target's intermediate_size ({config.intermediate_size}) is not "
+                          f"divisible by tp={tp}")
+    kv_heads_for(config.num_key_value_heads, tp, "the target")
+
+
+def check_draft(config: DraftConfig, tp: int) -> None:
+    if config.num_attention_heads % tp:
+        raise ConfigError(f"tensor parallelism: the draft's num_attention_heads ({config.num_attention_heads}) is "
+                          f"not divisible by draft_tensor_parallel_size={tp}")
+    if config.intermediate_size % tp:
+        raise ConfigError(f"tensor parallelism: the draft's intermediate_size ({config.intermediate_size}) is not "
+                          f"divisible by draft_tensor_parallel_size={tp}")
+    kv_heads_for(config.num_key_value_heads, tp, "the draft")
+
+
+def _pad_rows(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+    pad = (-x.shape[axis]) % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _repeat_kv(w: jax.Array, heads: int) -> jax.Array:
+    """Repeat KV heads (axis 1 of ``[in, Hkv, D]``) up to ``heads``; each copy stays next to its original."""
+    return jnp.repeat(w, heads // w.shape[1], axis=1) if heads != w.shape[1] else w
+
+
+def shard_layout_target(config: ModelConfig, params: dict, tp: int) -> tuple[dict, dict]:
+    """The target params in tensor-parallel layout (KV heads repeated, vocabulary padded) and their specs."""
+    check_target(config, tp)
+    kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
+    col, row = P(None, TP, None), P(TP, None, None)
+    layers, specs = [], []
+    for lp in params["layers"]:
+        layers.append({**lp, "wk": _repeat_kv(lp["wk"], kv), "wv": _repeat_kv(lp["wv"], kv)})
+        specs.append({k: {"wq": col, "wk": col, "wv": col, "wo": row, "w_gate": P(None, TP), "w_up": P(None, TP),
+                          "w_down": P(TP, None)}.get(k, P()) for k in lp})
+    out = {"embed": _pad_rows(params["embed"], 0, tp), "final_norm": params["final_norm"], "layers": layers}
+    spec = {"embed": P(TP, None), "final_norm": P(), "layers": specs}
+    if "lm_head" in params:
+        out["lm_head"] = _pad_rows(params["lm_head"], 1, tp)
+        spec["lm_head"] = P(None, TP)
+    return out, spec
+
+
+def shard_layout_draft(config: DraftConfig, params: dict, tp: int) -> tuple[dict, dict]:
+    """The draft params in tensor-parallel layout over ``tp`` shards (``tp == 1``: replicated) and their specs."""
+    if tp == 1:
+        return params, {k: P() for k in params}
+    check_draft(config, tp)
+    kv = kv_heads_for(config.num_key_value_heads, tp, "the draft")
+    col, row = P(None, TP, None), P(TP, None, None)
+    out = {**params, "wk": _repeat_kv(params["wk"], kv), "wv": _repeat_kv(params["wv"], kv),
+           "lm_head": _pad_rows(params["lm_head"], 1, tp), "embed": _pad_rows(params["embed"], 0, tp)}
+    spec = {k: P() for k in params}
+    spec.update(wq=col, wk=col, wv=col, wo=row, w_gate=P(None, TP), w_up=P(None, TP), w_down=P(TP, None),
+                lm_head=P(None, TP), embed=P(TP, None))
+    return out, spec
+
+
+def put(tree: Any, specs: Any, mesh: Mesh) -> Any:
+    """``device_put`` every leaf with ``NamedSharding(mesh, spec)``."""
+    return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs,
+                                  is_leaf=lambda x: x is None)
+
+
+def named(specs: Any, mesh: Mesh) -> Any:
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+
+
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prepare(model, mesh: Mesh, tp: int) -> dict:
+    """The params of a ``TargetModel`` or ``DraftModel`` in tensor-parallel layout over ``tp`` shards, placed on
+    ``mesh``. Done once per (model, mesh, tp) and memoised: later calls return the same arrays."""
+    per_model = _PREPARED.setdefault(model, {})
+    if (mesh, tp) not in per_model:
+        layout = shard_layout_target if isinstance(model.config, ModelConfig) else shard_layout_draft
+        per_model[(mesh, tp)] = put(*layout(model.config, model.params, tp), mesh)
+    return per_model[(mesh, tp)]
