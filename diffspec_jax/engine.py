@@ -35,6 +35,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from diffspec_jax import retrieval, sharding, verification, working_cache
+from pallas_kernels import dispatch
 from diffspec_jax.cache import KVCache, round_capacity
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.errors import ConfigError, InputError
@@ -98,6 +99,7 @@ class Plan:
     proposer: Callable | None = None
     mesh: Mesh | None = None
     draft_tp: int = 1
+    kernels: str = "reference"  # "pallas" or "reference" (pallas_kernels.dispatch), part of the compile key
 
     @property
     def tp(self) -> int:
@@ -362,7 +364,7 @@ def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):
     root = state.length - 1
     if spec.diffspec_scorer == "attention":  # each shard sums its query heads; one psum gives identical scores
         k_cache = state.target_cache.k[plan.score_layer]
-        scores = retrieval.head_sum_scores(ret.score_q, ret.score_lse, k_cache, root, c)
+        scores = dispatch.chunk_scores(ret.score_q, ret.score_lse, k_cache, root, chunk=c)
         if plan.tp_axis is not None:
             scores = jax.lax.psum(scores, plan.tp_axis)
         scores = scores / plan.target.num_attention_heads
@@ -684,7 +686,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                               f"got {draft_tp}")
     plan = Plan(target=tc, draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
                 aux_layers=draft.aux_layers if draft is not None else (),
-                capacity=round_capacity(max_cache_len or need), proposer=proposer, mesh=mesh, draft_tp=draft_tp)
+                capacity=round_capacity(max_cache_len or need), proposer=proposer, mesh=mesh, draft_tp=draft_tp,
+                kernels=dispatch.kernel_backend())
     stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
     tparams, dparams = prepare_params(target, draft, mesh, draft_tp)
     fns = compiled(plan, param_spec_key(tparams) if mesh is not None else None,

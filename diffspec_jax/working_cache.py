@@ -27,7 +27,7 @@ from flax import struct
 from diffspec_jax.cache import write_rows
 from diffspec_jax.config import DraftConfig, SpecConfig
 from diffspec_jax.models import eagle3
-from diffspec_jax.models.layers import attention_dense, causal_mask
+from diffspec_jax.models.layers import apply_rope, attention_dense, causal_mask, rope_cos_sin
 
 
 @struct.dataclass
@@ -127,20 +127,40 @@ def _compact_sorted(idx: jax.Array, slots: int) -> jax.Array:
 
 
 def gather_rope_write(config: DraftConfig, cache: DraftCache, idx: jax.Array) -> DraftCache:
-    """Reference gather-RoPE-write: working[0:slots] = rope(store[idx], local 0..slots-1); -1 rows become zeros.
+    """Rebuild the working cache: ``working[0:N] = rope(store[idx], local 0..N-1)``; ``-1`` rows become zeros.
 
     Args:
-        idx: int32 ``[B, slots]`` sorted absolute positions, ``-1`` padded (from :func:`history_indices`).
+        idx: int32 ``[B, N]`` sorted absolute positions, ``-1`` padded (from :func:`history_indices`).
+    Runs the Pallas kernel or :func:`gather_rope_write_reference` (see :mod:`pallas_kernels.dispatch`).
+    """
+    from pallas_kernels import dispatch
+
+    local = jnp.arange(idx.shape[1], dtype=jnp.int32)
+    cos, sin = rope_cos_sin(local, config.rope.inv_freq(config.head_dim))
+    k, v = dispatch.gather_rope_write(cache.store_k, cache.store_v, cache.work_k, cache.work_v, idx, cos, sin,
+                                      interleaved=config.rope.interleaved)
+    return cache.replace(work_k=k, work_v=v)
+
+
+def gather_rope_write_reference(store_k, store_v, work_k, work_v, idx, cos, sin, *, interleaved=False):
+    """Pure-JAX gather-RoPE-write (the contract of the Pallas kernel).
+
+    Args:
+        store_k, store_v: ``[B, S, Hkv, D]`` pre-RoPE canonical store.
+        work_k, work_v: ``[B, W, Hkv, D]`` working cache (rows ``0..N-1`` are overwritten, the rest kept).
+        idx: int32 ``[B, N]`` absolute positions to gather, ``-1`` = padding (written as zero rows), N <= W.
+        cos, sin: float32 ``[N, R/2]`` RoPE tables of local positions ``0..N-1`` (R = rotary dims <= D).
+        interleaved: rotate pairs ``(2j, 2j+1)`` instead of halves ``(j, j + R/2)``.
+    Returns:
+        ``(work_k, work_v)`` with keys rotated at local positions and values copied (store dtype -> work dtype).
     """
     safe = jnp.maximum(idx, 0)
     valid = (idx >= 0)[:, :, None, None]
-    k = jnp.where(valid, jnp.take_along_axis(cache.store_k, safe[:, :, None, None], axis=1), 0)
-    v = jnp.where(valid, jnp.take_along_axis(cache.store_v, safe[:, :, None, None], axis=1), 0)
-    local = jnp.broadcast_to(jnp.arange(idx.shape[1], dtype=jnp.int32), idx.shape)
-    k = eagle3.rope(config, k, local).astype(cache.work_k.dtype)
-    return cache.replace(work_k=jax.lax.dynamic_update_slice_in_dim(cache.work_k, k, 0, axis=1),
-                         work_v=jax.lax.dynamic_update_slice_in_dim(cache.work_v, v.astype(cache.work_v.dtype), 0,
-                                                                    axis=1))
+    k = jnp.where(valid, jnp.take_along_axis(store_k, safe[:, :, None, None], axis=1), 0)
+    v = jnp.where(valid, jnp.take_along_axis(store_v, safe[:, :, None, None], axis=1), 0)
+    k = apply_rope(k, cos[None], sin[None], interleaved=interleaved)
+    return (jax.lax.dynamic_update_slice_in_dim(work_k, k.astype(work_k.dtype), 0, axis=1),
+            jax.lax.dynamic_update_slice_in_dim(work_v, v.astype(work_v.dtype), 0, axis=1))
 
 
 def write_slots(cache: DraftCache, k_rot: jax.Array, v: jax.Array, slots: jax.Array) -> DraftCache:
@@ -149,8 +169,24 @@ def write_slots(cache: DraftCache, k_rot: jax.Array, v: jax.Array, slots: jax.Ar
 
 
 def draft_attention(config: DraftConfig, cache: DraftCache, q_rot: jax.Array, q_local: jax.Array) -> jax.Array:
-    """Reference draft attention: queries ``[B, T, Hq, D]`` at local positions ``[B, T]`` over the working cache
-    (GQA, causal over slots, float32 softmax). Returns ``[B, T, Hq, D]``."""
-    mask = causal_mask(q_local, cache.work_k.shape[1])
-    out, _ = attention_dense(q_rot, cache.work_k, cache.work_v, mask, config.head_dim ** -0.5)
+    """Draft attention of queries ``[B, T, Hq, D]`` at local positions ``[B, T]`` over the working cache.
+
+    Runs the Pallas kernel or :func:`draft_attention_reference` (see :mod:`pallas_kernels.dispatch`).
+    """
+    from pallas_kernels import dispatch
+
+    return dispatch.draft_attention(q_rot, cache.work_k, cache.work_v, q_local, scale=config.head_dim ** -0.5)
+
+
+def draft_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_local: jax.Array, *, scale: float
+                              ) -> jax.Array:
+    """Pure-JAX draft attention (the contract of the Pallas kernel).
+
+    Args:
+        q: ``[B, T, Hq, D]`` rotated queries; k, v: ``[B, W, Hkv, D]`` working cache (GQA, ``Hq % Hkv == 0``).
+        q_local: int32 ``[B, T]`` local positions: slot s is visible to a query at position p iff ``s <= p``.
+    Returns:
+        ``[B, T, Hq, D]`` in ``q.dtype`` (float32 softmax).
+    """
+    out, _ = attention_dense(q, k, v, causal_mask(q_local, k.shape[1]), scale)
     return out

@@ -246,7 +246,7 @@ def test_adaptive_interval_doubles_on_stable_selections_and_resets_on_change():
                       num_speculative_tokens=3, diffspec_retrieval_interval=8, diffspec_adaptive_profile=True)
     ctl = _RetrievalControl(spec, 1)
     root = 400  # newest chunk 100
-    same = np.array([1, 2, 3] + [-1] * 11)
+    same = np.array([[1, 2, 3] + [-1] * 11])  # [ranks, A]
 
     def period(accept):
         for _ in range(8):
@@ -260,15 +260,15 @@ def test_adaptive_interval_doubles_on_stable_selections_and_resets_on_change():
     ctl.record(0, same, root, 1.0, after_prefill=False)  # stable set, acceptance holds
     assert ctl.c[0].interval == 16 and ctl.c[0].last_jaccard == 1.0
     period(3.0)
-    ctl.record(0, np.array([7, 8, 9] + [-1] * 11), root, 1.0, after_prefill=False)  # changed set
+    ctl.record(0, np.array([[7, 8, 9] + [-1] * 11]), root, 1.0, after_prefill=False)  # changed set
     assert ctl.c[0].interval == 8 and ctl.c[0].last_jaccard == pytest.approx(1 / 7)
     period(3.0)
-    ctl.record(0, np.array([7, 8, 9] + [-1] * 11), root, 1.0, after_prefill=False)
+    ctl.record(0, np.array([[7, 8, 9] + [-1] * 11]), root, 1.0, after_prefill=False)
     assert ctl.c[0].interval == 16
     period(1.0)  # acceptance dropped below 0.9x the period before
-    ctl.record(0, np.array([7, 8, 9] + [-1] * 11), root, 1.0, after_prefill=False)
+    ctl.record(0, np.array([[7, 8, 9] + [-1] * 11]), root, 1.0, after_prefill=False)
     assert ctl.c[0].interval == 8
     for _ in range(10):
         period(3.0)
-        ctl.record(0, np.array([7, 8, 9] + [-1] * 11), root, 1.0, after_prefill=False)
+        ctl.record(0, np.array([[7, 8, 9] + [-1] * 11]), root, 1.0, after_prefill=False)
     assert ctl.c[0].interval == 32  # capped

@@ -1,0 +1,78 @@
+"""Shared benchmark helpers: environment record, device copy bandwidth, timing."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def environment(argv: Sequence[str]) -> dict[str, Any]:
+    """Command, git commit, machine, device and package versions, date."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    versions = {}
+    for pkg in ("jax", "jaxlib", "flax", "numpy", "transformers", "torch", "jax-cuda13-plugin", "jax-cuda12-plugin"):
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    dev = jax.devices()[0]
+    return {"command": " ".join([Path(sys.executable).name] + list(argv)), "git_commit": commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(), "platform": platform.platform(),
+            "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
+            "device_count": jax.device_count(), "versions": versions}
+
+
+def time_fn(fn: Callable, inputs: Sequence[tuple], *, repeats: int = 15, inner: int = 20) -> dict[str, float]:
+    """Median seconds per call of ``fn(*inputs[i])`` (rotating input sets so caches do not serve repeats).
+
+    Each repeat dispatches ``inner`` calls back to back and waits once, so host dispatch overlaps device work;
+    the median and coefficient of variation are over repeats.
+    """
+    out = None
+    for args in inputs:  # warm-up: compile and run every input set
+        out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(inner):
+            out = fn(*inputs[i % len(inputs)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    med = statistics.median(times)
+    cv = statistics.pstdev(times) / statistics.mean(times) if len(times) > 1 else 0.0
+    return {"median_s": med, "cv": cv, "repeats": repeats, "inner": inner}
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 10) -> dict[str, float]:
+    """Device copy bandwidth: bytes read + written by an elementwise pass over a ``nbytes`` float32 array."""
+    n = nbytes // 4
+    xs = [jnp.full((n,), float(i), jnp.float32) for i in range(2)]
+    f = jax.jit(lambda x: x + 1.0)
+    t = time_fn(f, [(x,) for x in xs], repeats=repeats, inner=5)
+    return {"bytes_per_s": 2 * n * 4 / t["median_s"], "array_bytes": n * 4, **t}
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,86 @@
+"""Pallas kernel: per-chunk attention-probability scores from one query row per sequence, tile by tile.
+
+Inputs:
+    q: float32 ``[B, Hq, D]`` post-RoPE query rows of the scoring layer (the last committed position).
+    lse: float32 ``[B, Hq]`` their log-sum-exp over positions ``0..r`` (from the verify pass).
+    k_cache: ``[B, S, Hkv, D]`` post-RoPE keys of that layer (bf16 or float32), ``Hq % Hkv == 0``.
+    root: int32 ``[B]`` the root position r; keys past it contribute nothing.
+    chunk: C, a power of two.
+Output:
+    float32 ``[B, ceil(S / C)]``: ``sum_h mean_{t in chunk, t <= r} exp(q_h . k_g(h)(t) / sqrt(D) - lse_h)`` --
+    the **head sum** of the mean probability per valid token (the caller ``psum``s over tensor-parallel shards and
+    divides by the number of query heads).
+
+Grid ``(B, ceil(S / block))``: each program reads one ``block``-position tile of K for every KV head once,
+computes the probabilities of the head group in registers (a padded ``[16, D] x [D, block]`` dot per KV head in
+the cache's dtype with float32 accumulation: IEEE float32 for float32 keys; bf16 keys take a bf16 copy of q) and reduces them to ``block / C`` chunk sums, so the ``[Hq, S]`` probabilities
+never reach device memory. Tiles wholly past the root skip the reads. Bytes moved: one read of
+``K[0..r]`` + ``B x S / C`` float32 outputs.
+Reference: :func:`diffspec_jax.retrieval.head_sum_scores` (same signature).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import call_options, dot_precision, next_pow2
+
+
+def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, chunk, seq_len, num_kv, group, head_dim,
+            num_chunks, precision):
+    from jax.experimental.pallas import triton as plgpu
+
+    b, t = pl.program_id(0), pl.program_id(1)
+    root = plgpu.load(root_ref.at[b])
+    pos = t * block + jnp.arange(block)
+    per_tile = block // chunk
+    chunk_ids = t * per_tile + jnp.arange(per_tile)
+
+    @pl.when(t * block <= root)
+    def _():
+        visible = (pos <= root) & (pos < seq_len)
+        rows = jnp.arange(next_pow2(group, 16))
+        in_group = rows < group
+        d = jnp.arange(head_dim)[None, :]
+        total = jnp.zeros((block,), jnp.float32)
+        for g in range(num_kv):  # static: KV heads of this shard
+            heads = g * group + rows
+            q = plgpu.load(q_ref.at[b, heads[:, None], d], mask=in_group[:, None], other=0.0)
+            lse = plgpu.load(lse_ref.at[b, heads], mask=in_group, other=0.0)
+            k = plgpu.load(k_ref.at[b, pos[:, None], g, d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
+            logits = pl.dot(q.astype(k.dtype), k, trans_b=True, precision=precision).astype(jnp.float32)
+            logits = logits * (head_dim ** -0.5)
+            p = jnp.where(in_group[:, None] & visible[None, :], jnp.exp(logits - lse[:, None]), 0.0)
+            total += jnp.sum(p, axis=0)
+        sums = jnp.sum(total.reshape(per_tile, chunk), axis=1)
+        counts = jnp.clip(root + 1 - chunk_ids * chunk, 0, chunk)
+        scores = jnp.where(counts > 0, sums / jnp.maximum(counts, 1).astype(jnp.float32), 0.0)
+        plgpu.store(out_ref.at[b, chunk_ids], scores, mask=chunk_ids < num_chunks)
+
+    @pl.when(t * block > root)
+    def _():
+        plgpu.store(out_ref.at[b, chunk_ids], jnp.zeros((per_tile,), jnp.float32), mask=chunk_ids < num_chunks)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk", "block"))
+def chunk_scores(q, lse, k_cache, root, *, chunk, block=128):
+    """Head-summed chunk scores (see the module docstring for shapes, dtypes and semantics)."""
+    b, hq, d = q.shape
+    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    if chunk & (chunk - 1):
+        raise ValueError(f"the Pallas chunk_scores kernel needs a power-of-two chunk size, got {chunk}")
+    block = max(block, chunk)
+    num_chunks = -(-s // chunk)
+    kernel = functools.partial(_kernel, block=block, chunk=chunk, seq_len=s, num_kv=hkv, group=hq // hkv,
+                               head_dim=d, num_chunks=num_chunks, precision=dot_precision(k_cache.dtype))
+    return pl.pallas_call(
+        kernel,
+        grid=(b, pl.cdiv(s, block)),
+        out_shape=jax.ShapeDtypeStruct((b, num_chunks), jnp.float32),
+        name="chunk_scores",
+        **call_options(num_warps=4, num_stages=2),
+    )(q.astype(jnp.float32), lse.astype(jnp.float32), k_cache, root.astype(jnp.int32))
