@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import call_options, dot_precision, next_pow2
+from pallas_kernels.common import call_options, dot_precision, matmul, next_pow2
 
 
 def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, chunk, seq_len, num_kv, group, head_dim,
@@ -52,7 +52,7 @@ def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, chunk, seq_len, 
             q = plgpu.load(q_ref.at[b, heads[:, None], d], mask=in_group[:, None], other=0.0)
             lse = plgpu.load(lse_ref.at[b, heads], mask=in_group, other=0.0)
             k = plgpu.load(k_ref.at[b, pos[:, None], g, d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
-            logits = pl.dot(q.astype(k.dtype), k, trans_b=True, precision=precision).astype(jnp.float32)
+            logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision)
             logits = logits * (head_dim ** -0.5)
             p = jnp.where(in_group[:, None] & visible[None, :], jnp.exp(logits - lse[:, None]), 0.0)
             total += jnp.sum(p, axis=0)

@@ -50,3 +50,15 @@ def dot_precision(dtype) -> tuple:
 
     hi = jax.lax.Precision.HIGHEST
     return (hi, hi) if jnp.dtype(dtype) == jnp.float32 else (jax.lax.Precision.DEFAULT,) * 2
+
+
+def matmul(a, b, *, trans_b: bool = False, precision=None):
+    """2-D product with float32 accumulation inside a kernel (``b`` transposed when ``trans_b``).
+
+    ``lax.dot_general`` lowers to a Triton dot (``pl.dot`` is gone from JAX 0.12) and to a plain dot in interpret
+    mode; ``precision=dot_precision(dtype)`` keeps float32 operands in IEEE float32.
+    """
+    import jax
+
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import call_options, dot_precision, next_pow2
+from pallas_kernels.common import call_options, dot_precision, matmul, next_pow2
 
 _NEG = -1e30
 
@@ -52,14 +52,14 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, o_ref, m_ref, l_ref, *, rows, group, s
         inside = slots < num_slots
         k = plgpu.load(k_ref.at[b, slots[:, None], g, d], mask=inside[:, None], other=jnp.zeros((), k_ref.dtype))
         v = plgpu.load(v_ref.at[b, slots[:, None], g, d], mask=inside[:, None], other=jnp.zeros((), v_ref.dtype))
-        logits = pl.dot(q.astype(k.dtype), k, trans_b=True, precision=precision).astype(jnp.float32) * scale
+        logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * scale
         visible = (slots[None, :] <= qpos[:, None]) & inside[None, :]
         logits = jnp.where(visible, logits, _NEG)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + pl.dot(p.astype(v.dtype), v, precision=precision).astype(jnp.float32)
+        acc = acc * corr[:, None] + matmul(p.astype(v.dtype), v, precision=precision)
         return acc, m_new, l
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
