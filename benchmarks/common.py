@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -21,11 +22,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 def environment(argv: Sequence[str]) -> dict[str, Any]:
     """Command, git commit, machine, device and package versions, date."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit = os.environ.get("DIFFSPEC_GIT_COMMIT")  # set by callers that run on a copy without .git
+    if not commit:
+        try:
+            out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+            commit = out.stdout.strip() if out.returncode == 0 else None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
     versions = {}
     for pkg in ("jax", "jaxlib", "flax", "numpy", "transformers", "torch", "jax-cuda13-plugin", "jax-cuda12-plugin"):
         try:
@@ -62,12 +65,28 @@ def time_fn(fn: Callable, inputs: Sequence[tuple], *, repeats: int = 15, inner: 
     return {"median_s": med, "cv": cv, "repeats": repeats, "inner": inner}
 
 
+def time_device(step: Callable, carry: Any, *, iters: int = 50, repeats: int = 7) -> dict[str, float]:
+    """Device seconds per call of ``step`` without host dispatch: ``iters`` calls run inside one jitted
+    ``fori_loop`` (``carry = step(carry)``; the step must make each call depend on the carry so nothing is
+    hoisted), repeated ``repeats`` times; median and coefficient of variation over repeats."""
+    loop = jax.jit(lambda c: jax.lax.fori_loop(0, iters, lambda i, x: step(x), c), donate_argnums=(0,))
+    carry = loop(carry)  # compile + warm-up
+    jax.block_until_ready(carry)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        carry = loop(carry)
+        jax.block_until_ready(carry)
+        times.append((time.perf_counter() - t0) / iters)
+    med = statistics.median(times)
+    cv = statistics.pstdev(times) / statistics.mean(times) if len(times) > 1 else 0.0
+    return {"median_s": med, "cv": cv, "repeats": repeats, "iters": iters}
+
+
 def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 10) -> dict[str, float]:
     """Device copy bandwidth: bytes read + written by an elementwise pass over a ``nbytes`` float32 array."""
     n = nbytes // 4
-    xs = [jnp.full((n,), float(i), jnp.float32) for i in range(2)]
-    f = jax.jit(lambda x: x + 1.0)
-    t = time_fn(f, [(x,) for x in xs], repeats=repeats, inner=5)
+    t = time_device(lambda x: x + 1.0, jnp.arange(n, dtype=jnp.float32), iters=10, repeats=repeats)
     return {"bytes_per_s": 2 * n * 4 / t["median_s"], "array_bytes": n * 4, **t}
 
 

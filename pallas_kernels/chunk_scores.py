@@ -11,10 +11,10 @@ Output:
     the **head sum** of the mean probability per valid token (the caller ``psum``s over tensor-parallel shards and
     divides by the number of query heads).
 
-Grid ``(B, ceil(S / block))``: each program reads one ``block``-position tile of K for every KV head once,
-computes the probabilities of the head group in registers (a padded ``[16, D] x [D, block]`` dot per KV head in
-the cache's dtype with float32 accumulation: IEEE float32 for float32 keys; bf16 keys take a bf16 copy of q) and reduces them to ``block / C`` chunk sums, so the ``[Hq, S]`` probabilities
-never reach device memory. Tiles wholly past the root skip the reads. Bytes moved: one read of
+Grid ``(B, ceil(S / block), Hkv)``: each program reads one ``block``-position tile of one KV head's keys once,
+computes the probabilities of that head's query group in registers (a padded ``[16, D] x [D, block]`` dot per KV head in
+the cache's dtype with float32 accumulation: IEEE float32 for float32 keys; bf16 keys take a bf16 copy of q) and reduces them to ``block / C`` chunk sums per KV head (summed over KV heads by a small XLA epilogue), so the
+``[Hq, S]`` probabilities never reach device memory. Tiles wholly past the root skip the reads. Bytes moved: one read of
 ``K[0..r]`` + ``B x S / C`` float32 outputs.
 Reference: :func:`diffspec_jax.retrieval.head_sum_scores` (same signature).
 """
@@ -30,44 +30,41 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import call_options, dot_precision, matmul, next_pow2
 
 
-def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, chunk, seq_len, num_kv, group, head_dim,
-            num_chunks, precision):
+def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, chunk, seq_len, group, head_dim, num_chunks,
+            precision):
     from jax.experimental.pallas import triton as plgpu
 
-    b, t = pl.program_id(0), pl.program_id(1)
+    b, t, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     root = plgpu.load(root_ref.at[b])
     pos = t * block + jnp.arange(block)
     per_tile = block // chunk
     chunk_ids = t * per_tile + jnp.arange(per_tile)
+    writable = chunk_ids < num_chunks
 
     @pl.when(t * block <= root)
     def _():
         visible = (pos <= root) & (pos < seq_len)
         rows = jnp.arange(next_pow2(group, 16))
         in_group = rows < group
+        heads = g * group + rows
         d = jnp.arange(head_dim)[None, :]
-        total = jnp.zeros((block,), jnp.float32)
-        for g in range(num_kv):  # static: KV heads of this shard
-            heads = g * group + rows
-            q = plgpu.load(q_ref.at[b, heads[:, None], d], mask=in_group[:, None], other=0.0)
-            lse = plgpu.load(lse_ref.at[b, heads], mask=in_group, other=0.0)
-            k = plgpu.load(k_ref.at[b, pos[:, None], g, d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
-            logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision)
-            logits = logits * (head_dim ** -0.5)
-            p = jnp.where(in_group[:, None] & visible[None, :], jnp.exp(logits - lse[:, None]), 0.0)
-            total += jnp.sum(p, axis=0)
-        sums = jnp.sum(total.reshape(per_tile, chunk), axis=1)
+        q = plgpu.load(q_ref.at[b, heads[:, None], d], mask=in_group[:, None], other=0.0)
+        lse = plgpu.load(lse_ref.at[b, heads], mask=in_group, other=0.0)
+        k = plgpu.load(k_ref.at[b, pos[:, None], g, d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
+        logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * (head_dim ** -0.5)
+        p = jnp.where(in_group[:, None] & visible[None, :], jnp.exp(logits - lse[:, None]), 0.0)
+        sums = jnp.sum(jnp.sum(p, axis=0).reshape(per_tile, chunk), axis=1)
         counts = jnp.clip(root + 1 - chunk_ids * chunk, 0, chunk)
         scores = jnp.where(counts > 0, sums / jnp.maximum(counts, 1).astype(jnp.float32), 0.0)
-        plgpu.store(out_ref.at[b, chunk_ids], scores, mask=chunk_ids < num_chunks)
+        plgpu.store(out_ref.at[b, g, chunk_ids], scores, mask=writable)
 
     @pl.when(t * block > root)
     def _():
-        plgpu.store(out_ref.at[b, chunk_ids], jnp.zeros((per_tile,), jnp.float32), mask=chunk_ids < num_chunks)
+        plgpu.store(out_ref.at[b, g, chunk_ids], jnp.zeros((per_tile,), jnp.float32), mask=writable)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block"))
-def chunk_scores(q, lse, k_cache, root, *, chunk, block=128):
+def chunk_scores(q, lse, k_cache, root, *, chunk, block=256):
     """Head-summed chunk scores (see the module docstring for shapes, dtypes and semantics)."""
     b, hq, d = q.shape
     s, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -75,12 +72,13 @@ def chunk_scores(q, lse, k_cache, root, *, chunk, block=128):
         raise ValueError(f"the Pallas chunk_scores kernel needs a power-of-two chunk size, got {chunk}")
     block = max(block, chunk)
     num_chunks = -(-s // chunk)
-    kernel = functools.partial(_kernel, block=block, chunk=chunk, seq_len=s, num_kv=hkv, group=hq // hkv,
-                               head_dim=d, num_chunks=num_chunks, precision=dot_precision(k_cache.dtype))
-    return pl.pallas_call(
+    kernel = functools.partial(_kernel, block=block, chunk=chunk, seq_len=s, group=hq // hkv, head_dim=d,
+                               num_chunks=num_chunks, precision=dot_precision(k_cache.dtype))
+    per_head = pl.pallas_call(
         kernel,
-        grid=(b, pl.cdiv(s, block)),
-        out_shape=jax.ShapeDtypeStruct((b, num_chunks), jnp.float32),
+        grid=(b, pl.cdiv(s, block), hkv),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, num_chunks), jnp.float32),
         name="chunk_scores",
         **call_options(num_warps=4, num_stages=2),
     )(q.astype(jnp.float32), lse.astype(jnp.float32), k_cache, root.astype(jnp.int32))
+    return jnp.sum(per_head, axis=1)

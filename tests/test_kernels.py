@@ -15,6 +15,13 @@ from pallas_kernels.chunk_scores import chunk_scores
 from pallas_kernels.draft_attention import draft_attention
 from pallas_kernels.gather_rope_write import gather_rope_write
 
+@pytest.fixture(autouse=True)
+def full_float32_matmuls():
+    """References in true float32 (XLA on GPUs defaults to TF32 for float32 products)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 DTYPES = [jnp.float32, jnp.bfloat16]
 
