@@ -11,10 +11,11 @@ Output:
     the **head sum** of the mean probability per valid token (the caller ``psum``s over tensor-parallel shards and
     divides by the number of query heads).
 
-Grid ``(B, ceil(S / block), Hkv)``: each program reads one ``block``-position tile of one KV head's keys once,
+Grid ``(B, ceil(S / (block * tiles)), Hkv)``: each program walks ``tiles`` consecutive ``block``-position tiles
+of one KV head's keys (a software-pipelined loop: the next tile loads while this one computes), reads each once,
 computes the probabilities of that head's query group in registers (a padded ``[16, D] x [D, block]`` dot per KV head in
 the cache's dtype with float32 accumulation: IEEE float32 for float32 keys; bf16 keys take a bf16 copy of q) and reduces them to ``block / C`` chunk sums per KV head (summed over KV heads by a small XLA epilogue), so the
-``[Hq, S]`` probabilities never reach device memory. Tiles wholly past the root skip the reads. Bytes moved: one read of
+``[Hq, S]`` probabilities never reach device memory. Rows past the root are masked off and not read. Bytes moved: one read of
 ``K[0..r]`` + ``B x S / C`` float32 outputs.
 Reference: :func:`diffspec_jax.retrieval.head_sum_scores` (same signature).
 """
@@ -30,55 +31,54 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import call_options, dot_precision, matmul, next_pow2
 
 
-def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, chunk, seq_len, group, head_dim, num_chunks,
+def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, tiles, chunk, seq_len, group, head_dim, num_chunks,
             precision):
     from jax.experimental.pallas import triton as plgpu
 
     b, t, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     root = plgpu.load(root_ref.at[b])
-    pos = t * block + jnp.arange(block)
+    rows = jnp.arange(next_pow2(group, 16))
+    in_group = rows < group
+    heads = g * group + rows
+    d = jnp.arange(head_dim)[None, :]
+    q = plgpu.load(q_ref.at[b, heads[:, None], d], mask=in_group[:, None], other=0.0)
+    lse = plgpu.load(lse_ref.at[b, heads], mask=in_group, other=0.0)
     per_tile = block // chunk
-    chunk_ids = t * per_tile + jnp.arange(per_tile)
-    writable = chunk_ids < num_chunks
 
-    @pl.when(t * block <= root)
-    def _():
-        visible = (pos <= root) & (pos < seq_len)
-        rows = jnp.arange(next_pow2(group, 16))
-        in_group = rows < group
-        heads = g * group + rows
-        d = jnp.arange(head_dim)[None, :]
-        q = plgpu.load(q_ref.at[b, heads[:, None], d], mask=in_group[:, None], other=0.0)
-        lse = plgpu.load(lse_ref.at[b, heads], mask=in_group, other=0.0)
+    def body(i, carry):  # a software-pipelined walk over this program's tiles
+        start = (t * tiles + i) * block
+        pos = start + jnp.arange(block)
+        visible = (pos <= root) & (pos < seq_len)  # masked-off rows are not read
         k = plgpu.load(k_ref.at[b, pos[:, None], g, d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
         logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * (head_dim ** -0.5)
         p = jnp.where(in_group[:, None] & visible[None, :], jnp.exp(logits - lse[:, None]), 0.0)
         sums = jnp.sum(jnp.sum(p, axis=0).reshape(per_tile, chunk), axis=1)
+        chunk_ids = start // chunk + jnp.arange(per_tile)
         counts = jnp.clip(root + 1 - chunk_ids * chunk, 0, chunk)
         scores = jnp.where(counts > 0, sums / jnp.maximum(counts, 1).astype(jnp.float32), 0.0)
-        plgpu.store(out_ref.at[b, g, chunk_ids], scores, mask=writable)
+        plgpu.store(out_ref.at[b, g, chunk_ids], scores, mask=chunk_ids < num_chunks)
+        return carry
 
-    @pl.when(t * block > root)
-    def _():
-        plgpu.store(out_ref.at[b, g, chunk_ids], jnp.zeros((per_tile,), jnp.float32), mask=writable)
+    jax.lax.fori_loop(0, tiles, body, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "block"))
-def chunk_scores(q, lse, k_cache, root, *, chunk, block=256):
+@functools.partial(jax.jit, static_argnames=("chunk", "block", "tiles"))
+def chunk_scores(q, lse, k_cache, root, *, chunk, block=128, tiles=8):
     """Head-summed chunk scores (see the module docstring for shapes, dtypes and semantics)."""
     b, hq, d = q.shape
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     if chunk & (chunk - 1):
         raise ValueError(f"the Pallas chunk_scores kernel needs a power-of-two chunk size, got {chunk}")
     block = max(block, chunk)
+    tiles = max(1, min(tiles, -(-s // block)))
     num_chunks = -(-s // chunk)
-    kernel = functools.partial(_kernel, block=block, chunk=chunk, seq_len=s, group=hq // hkv, head_dim=d,
-                               num_chunks=num_chunks, precision=dot_precision(k_cache.dtype))
+    kernel = functools.partial(_kernel, block=block, tiles=tiles, chunk=chunk, seq_len=s, group=hq // hkv,
+                               head_dim=d, num_chunks=num_chunks, precision=dot_precision(k_cache.dtype))
     per_head = pl.pallas_call(
         kernel,
-        grid=(b, pl.cdiv(s, block), hkv),
+        grid=(b, pl.cdiv(s, block * tiles), hkv),
         out_shape=jax.ShapeDtypeStruct((b, hkv, num_chunks), jnp.float32),
         name="chunk_scores",
-        **call_options(num_warps=4, num_stages=2),
+        **call_options(num_warps=4, num_stages=3),
     )(q.astype(jnp.float32), lse.astype(jnp.float32), k_cache, root.astype(jnp.int32))
     return jnp.sum(per_head, axis=1)
