@@ -8,19 +8,58 @@ Public API (stable):
 * :func:`generate` -- speculative (or target-only, ``draft=None``) generation, returning ``.tokens`` and ``.stats``;
 * :class:`SpecConfig`, :class:`SamplingConfig` -- frozen, validated settings;
 * :func:`make_mesh` -- a ``("dp", "tp")`` device mesh for tensor / data parallelism (``generate(..., mesh=)``).
+
+Importing the package does not import JAX: the configuration classes and errors (NumPy only) load eagerly, and
+the JAX-backed names load on first access (PEP 562 module ``__getattr__``). This keeps
+:mod:`diffspec_jax.torch_bridge` usable in torch-only processes (e.g. an Ascend serving engine).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from diffspec_jax.config import DraftConfig, ModelConfig, RopeConfig, SamplingConfig, SpecConfig
-from diffspec_jax.draft import DraftModel, load_draft
-from diffspec_jax.engine import GenerateResult, GenerateStats, generate
-from diffspec_jax.sharding import make_mesh
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError, UnsupportedModelError
-from diffspec_jax.target import TargetModel, forward, load_target
+
+if TYPE_CHECKING:  # static analysers see the eager imports
+    from diffspec_jax.draft import DraftModel, load_draft
+    from diffspec_jax.engine import GenerateResult, GenerateStats, generate
+    from diffspec_jax.sharding import make_mesh
+    from diffspec_jax.target import TargetModel, forward, load_target
 
 __version__ = "0.1.0"
+
+#: JAX-backed public names -> the module that defines them (imported on first access)
+_LAZY = {
+    "DraftModel": "diffspec_jax.draft", "load_draft": "diffspec_jax.draft",
+    "GenerateResult": "diffspec_jax.engine", "GenerateStats": "diffspec_jax.engine",
+    "generate": "diffspec_jax.engine",
+    "make_mesh": "diffspec_jax.sharding",
+    "TargetModel": "diffspec_jax.target", "forward": "diffspec_jax.target", "load_target": "diffspec_jax.target",
+}
 
 __all__ = [
     "CheckpointError", "ConfigError", "DiffspecError", "DraftConfig", "DraftModel", "GenerateResult",
     "GenerateStats", "InputError", "ModelConfig", "RopeConfig", "SamplingConfig", "SpecConfig", "TargetModel",
     "UnsupportedModelError", "forward", "generate", "load_draft", "load_target", "make_mesh",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a JAX-backed public name on first access and cache it in the package namespace.
+
+    Only the names in ``_LAZY`` resolve here; anything else raises ``AttributeError`` so that
+    ``from diffspec_jax import engine`` still imports the submodule. (Importing the CLI module
+    ``diffspec_jax.generate`` rebinds ``diffspec_jax.generate`` to that module, which is callable.)
+    """
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'diffspec_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals().setdefault(name, value)  # a submodule bound meanwhile (diffspec_jax.generate) keeps its binding
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -126,25 +126,45 @@ def _mlp_block(config: ModelConfig, lp: Params, x: jax.Array, axis_name: str | N
     return x + m
 
 
-def forward(config: ModelConfig, params: Params, tokens: jax.Array, *, axis_name: str | None = None) -> jax.Array:
-    """Full-sequence forward without a cache (the reference path).
+def forward(config: ModelConfig, params: Params, tokens: jax.Array, *, axis_name: str | None = None,
+            attention: str = "dense") -> jax.Array:
+    """Full-sequence forward without a cache (the reference path, and the training path).
 
     Args:
         tokens: int32 ``[B, T]``, every sequence starting at position 0.
+        attention: ``"dense"`` (explicit ``[T, T]`` mask, the reference) or ``"flash"``
+            (``jax.nn.dot_product_attention``: cuDNN flash attention on GPUs for long training sequences).
     Returns:
         float32 logits ``[B, T, V]``.
     """
+    return forward_aux(config, params, tokens, axis_name=axis_name, attention=attention)[0]
+
+
+def forward_aux(config: ModelConfig, params: Params, tokens: jax.Array, *, aux_layers: tuple[int, ...] = (),
+                axis_name: str | None = None, attention: str = "dense") -> tuple[jax.Array, jax.Array | None]:
+    """:func:`forward` that also returns the residual-stream inputs of ``aux_layers`` (HF ``hidden_states``
+    indices), concatenated ``[B, T, A*H]`` in the requested order (``None`` when none are requested)."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
-    mask = causal_mask(positions, t)
     scale = config.head_dim ** -0.5
+    if attention == "dense":
+        mask = causal_mask(positions, t)
+        attend = lambda q, k, v: attention_dense(q, k, v, mask, scale)  # noqa: E731
+    elif attention == "flash":
+        impl = "cudnn" if jax.default_backend() == "gpu" else None
+        attend = lambda q, k, v: (jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, scale=scale, is_causal=True, implementation=impl), None)
+    else:
+        raise ValueError(f"attention must be 'dense' or 'flash', got {attention!r}")
     x = embed_lookup(params["embed"], tokens, axis_name)
-    for lp in params["layers"]:
-        x, _, _ = _attention_block(config, lp, x, cos, sin,
-                                   lambda q, k, v: attention_dense(q, k, v, mask, scale), axis_name)
+    aux = []
+    for i, lp in enumerate(params["layers"]):
+        aux.extend((j, x) for j, a in enumerate(aux_layers) if a == i)
+        x, _, _ = _attention_block(config, lp, x, cos, sin, attend, axis_name)
         x = _mlp_block(config, lp, x, axis_name)
-    return _lm_head(config, params, x, axis_name)
+    aux_out = jnp.concatenate([a for _, a in sorted(aux, key=lambda p: p[0])], axis=-1) if aux_layers else None
+    return _lm_head(config, params, x, axis_name), aux_out
 
 
 def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, start: jax.Array,

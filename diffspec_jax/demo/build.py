@@ -1,0 +1,197 @@
+"""Build the demo pair: ``python -m diffspec_jax.demo.build --out DIR`` (run on a GPU; minutes on an H200).
+
+Steps, all recorded in ``DIR/model_card.json``:
+
+1. corpus: the running interpreter's standard library (:mod:`diffspec_jax.corpus`), packages held out;
+2. tokenizer: byte-level BPE, vocabulary 4096, trained on the training split;
+3. target: a 6-layer Llama (about 6 M parameters) trained from scratch with optax on windows of ``--seq-len``
+   (default 16384) tokens, exported as a Hugging Face ``LlamaForCausalLM`` directory (bfloat16);
+4. draft: an EAGLE-3 draft trained with :mod:`diffspec_jax.train_draft` on 2048-token windows (as public drafts
+   are), draft vocabulary 2048, exported in the SpecForge / vLLM layout (bfloat16);
+5. evaluation: greedy speculative decoding of held-out prompts at 2K / 8K / 16K tokens with the ``full``,
+   ``recent`` and ``diffspec`` policies, mean acceptance length and decode speed beside target-only decoding in
+   the same run, and a check that every output equals target-only output;
+6. the demo prompt: the opening of a held-out module (``argparse``), >= 8K tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffspec_jax.config import ModelConfig, RopeConfig
+from diffspec_jax.corpus import build_corpus, train_tokenizer
+from diffspec_jax.training import OptimConfig, TokenStream, train_target
+
+CONTEXTS = (2048, 8192, 16384)
+POLICIES = ("full", "recent", "diffspec")
+
+
+def demo_target_config(vocab: int, eos: int, max_len: int) -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=256, intermediate_size=640,
+                       num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                       rms_norm_eps=1e-5, max_position_embeddings=max_len, tie_word_embeddings=False,
+                       rope=RopeConfig(theta=500000.0), dtype="bfloat16", bos_token_id=eos, eos_token_ids=(eos,))
+
+
+def evaluate(target, draft, prompts_by_ctx: dict[int, list[list[int]]], new_tokens: int, k: int, budget: int,
+             chunk: int) -> list[dict]:
+    """Acceptance and decode speed per (context, policy), with target-only decoding of the same prompts."""
+    from diffspec_jax import SpecConfig, generate
+
+    rows = []
+    cap = max(len(p) for ps in prompts_by_ctx.values() for p in ps) + new_tokens + k + 1
+    for ctx, prompts in prompts_by_ctx.items():
+        kw = dict(max_new_tokens=new_tokens, stop_token_ids=(), max_cache_len=cap)
+        generate(target, None, prompts, **kw)  # warm-up (compile)
+        base = generate(target, None, prompts, **kw)
+        rows.append({"context": ctx, "policy": "target-only", "decode_tokens_per_s": base.stats.decode_tokens_per_s})
+        for policy in POLICIES:
+            spec = SpecConfig(num_speculative_tokens=k, draft_context_policy=policy, diffspec_chunk_size=chunk,
+                              diffspec_token_budget=budget)
+            generate(target, draft, prompts, spec=spec, **kw)
+            res = generate(target, draft, prompts, spec=spec, **kw)
+            s = res.stats
+            rows.append({"context": ctx, "policy": policy, "mean_acceptance_length": s.mean_acceptance_length,
+                         "acceptance_per_position": s.acceptance_per_position,
+                         "decode_tokens_per_s": s.decode_tokens_per_s,
+                         "speedup_vs_target": s.decode_tokens_per_s / base.stats.decode_tokens_per_s,
+                         "identical_to_target_only": res.tokens == base.tokens,
+                         "retrievals": (s.retrieval or {}).get("aggregate", {}).get("retrievals")})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m diffspec_jax.demo.build", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq-len", type=int, default=16384)
+    ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--target-batch", type=int, default=4)
+    ap.add_argument("--draft-steps", type=int, default=800)
+    ap.add_argument("--draft-batch", type=int, default=8)
+    ap.add_argument("--draft-seq-len", type=int, default=2048)
+    ap.add_argument("--draft-vocab", type=int, default=2048)
+    ap.add_argument("--eval-new-tokens", type=int, default=256)
+    ap.add_argument("--eval-prompts", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--attention", default="flash" if jax.default_backend() == "gpu" else "dense")
+    ap.add_argument("--max-files", type=int, default=None, help="small corpora for smoke tests")
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="evaluation context lengths")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "target").mkdir(parents=True)
+    t_start = time.perf_counter()
+    card: dict = {"commands": {"build": "python -m diffspec_jax.demo.build " + " ".join(argv or sys.argv[1:])},
+                  "device": str(jax.devices()[0].device_kind if hasattr(jax.devices()[0], "device_kind")
+                                else jax.devices()[0]),
+                  "jax": jax.__version__, "settings": vars(args)}
+
+    corpus = build_corpus(max_files=args.max_files)
+    card["data"] = {k: v for k, v in corpus.manifest.items() if k != "files"}
+    (out / "corpus_files.json").write_text(json.dumps(corpus.manifest["files"]) + "\n")
+    tok = train_tokenizer([d.text for d in corpus.train], args.vocab)
+    tok.save_pretrained(out / "target")
+    eos = tok.eos_token_id
+    enc = lambda d: np.asarray(tok(d.text)["input_ids"], np.int32)  # noqa: E731
+    train_stream = TokenStream([enc(d) for d in corpus.train], eos)
+    held_docs = {d.name: enc(d) for d in corpus.held_out}
+    held_stream = TokenStream(list(held_docs.values()), eos)
+    card["data"]["train_tokens"] = len(train_stream)
+    card["data"]["held_out_tokens"] = len(held_stream)
+    card["tokenizer"] = {"type": "byte-level BPE", "vocab_size": len(tok)}
+
+    tcfg = demo_target_config(len(tok), eos, max_len=max(32768, 2 * args.seq_len))
+    t0 = time.perf_counter()
+    params, t_hist = train_target(
+        tcfg, train_stream, steps=args.target_steps, batch=args.target_batch, seq_len=args.seq_len,
+        optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.target_steps // 20), total_steps=args.target_steps),
+        ckpt_dir=out / "ckpt_target", seed=args.seed, attention=args.attention, eval_stream=held_stream,
+        eval_every=max(1, args.target_steps // 4), log_every=max(1, args.target_steps // 20), progress=False)
+    for row in t_hist:
+        print("target", json.dumps(row), flush=True)
+    card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
+                      "config": tcfg.to_hf_dict(), "steps": args.target_steps, "batch": args.target_batch,
+                      "seq_len": args.seq_len, "train_seconds": time.perf_counter() - t0,
+                      "final": t_hist[-1], "history": t_hist}
+    from checkpoints_tools.hf import save_hf
+    from diffspec_jax.target import TargetModel, load_target
+
+    save_hf(out / "target", tcfg, params, dtype="bfloat16")
+    target_f32 = TargetModel(tcfg, params)
+
+    from diffspec_jax.train_draft import export_draft, train_draft
+
+    n = tcfg.num_hidden_layers
+    t0 = time.perf_counter()
+    dcfg, dparams, d_hist = train_draft(
+        target_f32, train_stream, steps=args.draft_steps, batch=args.draft_batch, seq_len=args.draft_seq_len,
+        ttt_steps=4, draft_vocab=args.draft_vocab, aux_layers=(2, n // 2, n - 1),
+        optim=OptimConfig(lr=2e-3, warmup_steps=max(1, args.draft_steps // 20), total_steps=args.draft_steps),
+        ckpt_dir=out / "ckpt_draft", seed=args.seed, attention=args.attention, eval_stream=held_stream,
+        eval_every=max(1, args.draft_steps // 4), log_every=max(1, args.draft_steps // 20), progress=False)
+    for row in d_hist:
+        print("draft", json.dumps(row), flush=True)
+    export_draft(out / "draft", dcfg, dparams, dtype="bfloat16")
+    card["draft"] = {"format": "EAGLE-3 (SpecForge / vLLM layout)", "config": dcfg.to_hf_dict(),
+                     "parameters": int(sum(np.size(v) for k, v in dparams.items() if k not in ("embed", "d2t"))),
+                     "steps": args.draft_steps, "batch": args.draft_batch, "seq_len": args.draft_seq_len,
+                     "ttt_steps": 4, "train_seconds": time.perf_counter() - t0, "final": d_hist[-1],
+                     "history": d_hist}
+    shutil.rmtree(out / "ckpt_target", ignore_errors=True)
+    shutil.rmtree(out / "ckpt_draft", ignore_errors=True)
+
+    # the demo prompt: the opening of a held-out module
+    argparse_ids = held_docs.get("argparse", next(iter(held_docs.values())))
+    prompt_ids = argparse_ids[: min(len(argparse_ids), 10000)]
+    (out / "demo_prompt.txt").write_text(tok.decode(prompt_ids))
+    card["demo_prompt"] = {"source": "held-out stdlib module argparse", "tokens": int(len(prompt_ids))}
+
+    from diffspec_jax import load_draft
+
+    target = load_target(out / "target", dtype="bfloat16")
+    draft = load_draft(out / "draft", target)
+    rng = np.random.default_rng(args.seed + 7)
+    long_docs = [np.asarray(v) for k, v in held_docs.items() if k != "argparse"]
+    prompts = {}
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        usable = [d for d in long_docs if len(d) >= ctx] or [held_stream.tokens]
+        picks = []
+        for i in range(args.eval_prompts):
+            d = usable[i % len(usable)]
+            s = int(rng.integers(0, len(d) - ctx + 1))
+            picks.append([int(x) for x in d[s:s + ctx]])
+        prompts[ctx] = picks
+    try:
+        card["acceptance"] = evaluate(target, draft, prompts, args.eval_new_tokens, args.k, args.budget, args.chunk)
+    except Exception as exc:  # keep the trained pair even if evaluation breaks; record why
+        card["acceptance_error"] = f"{type(exc).__name__}: {exc}"
+        os.environ["DIFFSPEC_KERNELS"] = "reference"
+        card["acceptance"] = evaluate(target, draft, prompts, args.eval_new_tokens, args.k, args.budget, args.chunk)
+        card["acceptance_kernels"] = "reference (Pallas failed, see acceptance_error)"
+    card["eval"] = {"prompts_per_context": args.eval_prompts, "new_tokens": args.eval_new_tokens, "k": args.k,
+                    "budget": args.budget, "chunk": args.chunk, "greedy": True,
+                    "prompt_source": "random windows of held-out packages other than argparse"}
+    card["build_seconds"] = time.perf_counter() - t_start
+    (out / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
+    print(f"built the demo pair in {out} ({card['build_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

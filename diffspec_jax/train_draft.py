@@ -1,0 +1,265 @@
+"""EAGLE-3 draft training in JAX (optax + Orbax): ``python -m diffspec_jax.train_draft``.
+
+Trains a one-layer EAGLE-3 draft for any supported target from text or JSONL files:
+
+* the target is frozen; each window of ``seq_len + K`` tokens goes through it once for the aux states of the
+  configured layers (HF ``hidden_states`` indices) and its logits;
+* the draft vocabulary is the ``draft_vocab`` most frequent target ids of the training data (``d2t``/``t2d``);
+* **training-time test** (TTT) unrolls K >= 3 draft steps: step 0 feeds ``(x_{t+1}, F_t)`` at position t (``fc``
+  on target features); step k feeds ``(x_{t+1+k}, h2_{k-1}(t))`` at position ``t + k``, attending to the step-0
+  keys at positions <= t and to the same entry's keys of steps 1..k -- exactly what chain step k of the engine
+  sees from a root at t. Step k is trained towards the target's distribution of token ``x_{t+2+k}`` restricted to
+  the draft vocabulary (cross-entropy, mean over steps);
+* periodic evaluation on held-out windows reports each step's top-1 agreement with the target and the expected
+  chain acceptance length (teacher-forced);
+* Orbax checkpoints of the training state (resumable) and export in the SpecForge / vLLM EAGLE-3 layout, which
+  :func:`diffspec_jax.load_draft` reads back.
+
+Example::
+
+    python -m diffspec_jax.train_draft --target path/to/target --data a.txt b.jsonl --out path/to/draft \\
+        --steps 2000 --seq-len 2048 --batch 8 --ttt-steps 4 --draft-vocab 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffspec_jax.config import DraftConfig, RopeConfig
+from diffspec_jax.errors import ConfigError, DiffspecError, InputError
+from diffspec_jax.models import eagle3, llama
+from diffspec_jax.target import TargetModel
+from diffspec_jax.training import OptimConfig, TokenStream, cast_floats, train_loop
+
+FROZEN_KEYS = ("embed", "d2t")
+
+
+def draft_config_for(target: TargetModel, draft_vocab: int, aux_layers: tuple[int, ...],
+                     rope_theta: float = 10000.0) -> DraftConfig:
+    """A draft shaped like one target layer (hidden size, heads, head_dim, intermediate size)."""
+    tc = target.config
+    return DraftConfig(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
+                       num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
+                       intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size,
+                       draft_vocab_size=draft_vocab, target_hidden_size=tc.hidden_size, rms_norm_eps=tc.rms_norm_eps,
+                       max_position_embeddings=4096, rope=RopeConfig(theta=rope_theta),
+                       aux_layer_ids=tuple(aux_layers))
+
+
+def draft_vocabulary(tokens: np.ndarray, vocab_size: int, draft_vocab: int) -> np.ndarray:
+    """The ``draft_vocab`` most frequent ids of ``tokens`` (ties: lower id first), sorted ascending."""
+    if not 0 < draft_vocab <= vocab_size:
+        raise ConfigError(f"draft_vocab must be in 1..{vocab_size}, got {draft_vocab}")
+    counts = np.bincount(tokens, minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    return np.sort(order[:draft_vocab])
+
+
+def _ttt_attention(q, k0, v0, extra, scale):
+    """Step-k attention: causal over step-0 keys, plus the same entry's keys of steps 1..k (float32 softmax).
+
+    q: ``[B, T, Hq, D]``; k0, v0: ``[B, T, Hkv, D]``; extra: list of ``(k_j, v_j)`` ``[B, T, Hkv, D]``.
+    """
+    b, t, hq, d = q.shape
+    hkv = k0.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0, preferred_element_type=jnp.float32) * scale
+    s0 = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s0, -jnp.inf)
+    diag = [jnp.einsum("btkgd,btkd->bkgt", qg, kj, preferred_element_type=jnp.float32) * scale for kj, _ in extra]
+    m = jnp.max(s0, axis=-1)
+    for sj in diag:
+        m = jnp.maximum(m, sj)
+    p0 = jnp.exp(s0 - m[..., None])
+    pj = [jnp.exp(sj - m) for sj in diag]
+    den = jnp.sum(p0, axis=-1) + sum(pj) if pj else jnp.sum(p0, axis=-1)
+    out = jnp.einsum("bkgts,bskd->bkgtd", p0.astype(v0.dtype), v0, preferred_element_type=jnp.float32)
+    for p, (_, vj) in zip(pj, extra):
+        out = out + p[..., None] * jnp.transpose(vj, (0, 2, 1, 3))[:, :, None].astype(jnp.float32)
+    out = out / den[..., None]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, hq, d).astype(q.dtype)
+
+
+def ttt_logits(cfg: DraftConfig, p: dict, aux: jax.Array, tokens: jax.Array, steps: int) -> list[jax.Array]:
+    """Draft logits ``[B, T, Vd]`` of every TTT step.
+
+    Args:
+        aux: ``[B, T, A*Ht]`` target features F_0..F_{T-1}; tokens: int32 ``[B, T + steps]`` with
+            ``tokens[:, i] = x_{i+1}`` (step k's entry t takes ``tokens[:, t + k]``).
+    """
+    b, t = aux.shape[:2]
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    scale = cfg.head_dim ** -0.5
+    z, residual = eagle3.entry_inputs(cfg, p, tokens[:, :t], aux, from_target=True)
+    q, k, v = eagle3.qkv(p, z)
+    k0, v0 = eagle3.rope(cfg, k, pos), v
+    h2, logits = eagle3.finish(cfg, p, residual, _ttt_attention(eagle3.rope(cfg, q, pos), k0, v0, [], scale))
+    out, extra = [logits], []
+    for s in range(1, steps):
+        z, residual = eagle3.entry_inputs(cfg, p, tokens[:, s:s + t], h2, from_target=False)
+        q, k, v = eagle3.qkv(p, z)
+        extra.append((eagle3.rope(cfg, k, pos + s), v))
+        attn = _ttt_attention(eagle3.rope(cfg, q, pos + s), k0, v0, extra, scale)
+        h2, logits = eagle3.finish(cfg, p, residual, attn)
+        out.append(logits)
+    return out
+
+
+def _target_pass(tcfg, tparams, window, aux_layers, attention):
+    logits, aux = llama.forward_aux(tcfg, tparams, window, aux_layers=aux_layers, attention=attention)
+    return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(aux)
+
+
+def ttt_loss(cfg: DraftConfig, tcfg, aux_layers, steps: int, attention: str, compute_dtype,
+             trainable: dict, frozen: dict, window: jax.Array):
+    """Mean over TTT steps of the cross-entropy to the target's draft-vocabulary distribution.
+
+    ``window``: int32 ``[B, T + steps]`` tokens x_0..x_{T+steps-1}; ``frozen`` = {"target": params, "embed",
+    "d2t", "used": int32 [Vd] target ids of the draft vocabulary}.
+    """
+    t = window.shape[1] - steps
+    logits_t, aux = _target_pass(tcfg, frozen["target"], window, aux_layers, attention)
+    restricted = jax.nn.softmax(jnp.take(logits_t, frozen["used"], axis=-1), axis=-1)  # [B, T+steps, Vd]
+    params = cast_floats({**trainable, "embed": frozen["embed"], "d2t": frozen["d2t"]}, compute_dtype)
+    draft_logits = ttt_logits(cfg, params, aux[:, :t].astype(compute_dtype), window[:, 1:], steps)
+    losses, agree = [], []
+    target_top = jnp.argmax(logits_t, axis=-1)
+    for s, lg in enumerate(draft_logits):
+        target = restricted[:, 1 + s:1 + s + t]
+        losses.append(-jnp.mean(jnp.sum(target * jax.nn.log_softmax(lg, axis=-1), axis=-1)))
+        guess = frozen["used"][jnp.argmax(lg, axis=-1)]
+        agree.append(guess == target_top[:, 1 + s:1 + s + t])
+    run = jnp.cumprod(jnp.stack(agree, axis=-1).astype(jnp.float32), axis=-1)
+    metrics = {f"top1_step{s}": jnp.mean(a) for s, a in enumerate(agree)}
+    metrics["acceptance_length"] = 1.0 + jnp.mean(jnp.sum(run, axis=-1))  # teacher-forced chain estimate
+    return jnp.mean(jnp.stack(losses)), metrics
+
+
+def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: int, seq_len: int,
+                ttt_steps: int = 4, draft_vocab: int | None = None, aux_layers: tuple[int, ...] | None = None,
+                optim: OptimConfig | None = None, ckpt_dir: str | Path | None = None, seed: int = 0,
+                attention: str = "dense", compute_dtype=jnp.bfloat16, eval_stream: TokenStream | None = None,
+                eval_every: int = 0, log_every: int = 20, progress: bool = True
+                ) -> tuple[DraftConfig, dict, list[dict]]:
+    """Train an EAGLE-3 draft for ``target``; returns ``(config, params incl. d2t and shared embed, history)``."""
+    if ttt_steps < 1:
+        raise ConfigError(f"ttt_steps must be >= 1, got {ttt_steps}")
+    tc = target.config
+    n = tc.num_hidden_layers
+    aux = tuple(aux_layers) if aux_layers is not None else (2, n // 2, n - 3)
+    used = draft_vocabulary(stream.tokens, tc.vocab_size, draft_vocab or tc.vocab_size)
+    cfg = draft_config_for(target, len(used), aux)
+    cfg.resolve_aux_layers(tc)
+    params = eagle3.init_params(cfg, num_aux=len(aux), seed=seed, dtype=jnp.float32,
+                                scale=1.0 / np.sqrt(cfg.hidden_size), used_ids=used)
+    params = {k: (jnp.ones_like(v) if v.ndim == 1 and k != "d2t" else v) for k, v in params.items()}
+    frozen = {"target": cast_floats(target.params, compute_dtype), "embed": target.params["embed"],
+              "d2t": params["d2t"], "used": jnp.asarray(used, jnp.int32)}
+    trainable = {k: v for k, v in params.items() if k not in FROZEN_KEYS}
+    loss_fn = lambda tr, fr, win: ttt_loss(cfg, tc, aux, ttt_steps, attention, compute_dtype, tr, fr, win)  # noqa
+    eval_fn = None
+    if eval_stream is not None and eval_every:
+        held = jnp.asarray(eval_stream.batch(0, batch, seq_len + ttt_steps, seed=seed + 1))
+        evaluate = jax.jit(lambda tr, fr: loss_fn(tr, fr, held))
+
+        def eval_fn(tr):
+            loss, metrics = evaluate(tr, frozen)
+            return {"eval_loss": float(loss), **{f"eval_{k}": float(v) for k, v in metrics.items()}}
+    trainable, history = train_loop(loss_fn, trainable, stream, steps=steps, batch=batch,
+                                    length=seq_len + ttt_steps, optim=optim or OptimConfig(lr=1e-3,
+                                                                                            total_steps=steps),
+                                    frozen=frozen, ckpt_dir=ckpt_dir, seed=seed, eval_fn=eval_fn,
+                                    eval_every=eval_every, log_every=log_every, progress=progress)
+    return cfg, {**trainable, "d2t": params["d2t"], "embed": target.params["embed"]}, history
+
+
+def export_draft(out: str | Path, cfg: DraftConfig, params: dict, *, dtype: str = "bfloat16",
+                 history: list[dict] | None = None) -> Path:
+    """Write the draft in the SpecForge / vLLM EAGLE-3 layout (+ ``training_history.json``)."""
+    from checkpoints_tools.hf import save_eagle3
+
+    out = Path(out)
+    save_eagle3(out, cfg, params, num_aux=len(cfg.aux_layer_ids), dtype=dtype)
+    if history is not None:
+        (out / "training_history.json").write_text(json.dumps(history, indent=1) + "\n")
+    return out
+
+
+def read_texts(paths: list[str], field: str = "text") -> list[str]:
+    """Documents from text files (one document per file) and JSONL files (one per line, ``field`` key)."""
+    texts = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise InputError(f"data file {p} does not exist")
+        if p.suffix == ".jsonl":
+            for i, line in enumerate(p.read_text().splitlines()):
+                if line.strip():
+                    try:
+                        texts.append(str(json.loads(line)[field]))
+                    except (json.JSONDecodeError, KeyError) as exc:
+                        raise InputError(f"{p}:{i + 1}: not a JSON object with a {field!r} field ({exc})") from exc
+        else:
+            texts.append(p.read_text())
+    if not texts:
+        raise InputError("no training text found")
+    return texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m diffspec_jax.train_draft", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", required=True, help="target directory (HF or Orbax) with a tokenizer")
+    ap.add_argument("--data", nargs="+", required=True, help="text files and/or JSONL files")
+    ap.add_argument("--eval-data", nargs="*", default=None)
+    ap.add_argument("--jsonl-field", default="text")
+    ap.add_argument("--out", required=True, help="export directory (EAGLE-3 layout)")
+    ap.add_argument("--ckpt-dir", default=None, help="Orbax checkpoints (resumable; default OUT/checkpoints)")
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--ttt-steps", type=int, default=4)
+    ap.add_argument("--draft-vocab", type=int, default=None)
+    ap.add_argument("--aux-layers", default=None, help="comma-separated HF hidden_states indices")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--eval-every", type=int, default=200)
+    ap.add_argument("--attention", default="flash" if jax.default_backend() == "gpu" else "dense")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    try:
+        from transformers import AutoTokenizer
+
+        from diffspec_jax.target import load_target
+
+        target = load_target(args.target, dtype="float32")
+        tok = AutoTokenizer.from_pretrained(args.target)
+        eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+        enc = lambda texts: [np.asarray(tok(t)["input_ids"], np.int32) for t in texts]  # noqa: E731
+        stream = TokenStream(enc(read_texts(args.data, args.jsonl_field)), eos)
+        eval_stream = TokenStream(enc(read_texts(args.eval_data, args.jsonl_field)), eos) if args.eval_data else None
+        aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
+        cfg, params, history = train_draft(
+            target, stream, steps=args.steps, batch=args.batch, seq_len=args.seq_len, ttt_steps=args.ttt_steps,
+            draft_vocab=args.draft_vocab, aux_layers=aux,
+            optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps),
+            ckpt_dir=args.ckpt_dir or Path(args.out) / "checkpoints", seed=args.seed, attention=args.attention,
+            eval_stream=eval_stream, eval_every=args.eval_every if eval_stream else 0)
+        export_draft(args.out, cfg, params, history=history)
+    except DiffspecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(history[-1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["train_draft", "export_draft", "ttt_logits", "ttt_loss", "draft_vocabulary", "draft_config_for",
+           "read_texts"]

@@ -1,0 +1,192 @@
+"""Training utilities (optax + Orbax) and causal-LM training of a Llama target (used to build the demo pair).
+
+* :class:`OptimConfig` / :func:`make_optimizer`: AdamW with linear warm-up and cosine decay, global-norm clipping.
+* :class:`TokenStream`: random fixed-length windows of a token stream (host NumPy, seeded per step, so a resumed
+  run sees the same batches).
+* :func:`train_loop`: a jitted update step (float32 master params, bfloat16 compute by default), periodic
+  logging and Orbax checkpoints of the whole training state, resumed automatically from the newest one.
+* :func:`train_target`: next-token training of a Llama-architecture target.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from diffspec_jax.config import ModelConfig
+from diffspec_jax.errors import ConfigError
+from diffspec_jax.models import llama
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with warm-up + cosine decay (defaults for small models)."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 50
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1 or self.warmup_steps < 0 or self.lr <= 0:
+            raise ConfigError(f"invalid optimiser settings: {self}")
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=max(1, cfg.warmup_steps),
+        decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+    decay_mask = lambda params: jax.tree_util.tree_map(lambda x: x.ndim >= 2, params)  # noqa: E731  no decay on norms
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                       optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+class TokenStream:
+    """Random windows of ``length`` tokens from a 1-D int32 stream (documents joined by an EOS separator)."""
+
+    def __init__(self, documents: list[np.ndarray], eos_id: int):
+        parts = []
+        for d in documents:
+            parts.extend([np.asarray(d, np.int32), np.array([eos_id], np.int32)])
+        self.tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def batch(self, step: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
+        """``[batch, length]`` windows, a deterministic function of (seed, step)."""
+        if len(self.tokens) < length + 1:
+            raise ConfigError(f"the token stream ({len(self.tokens)} tokens) is shorter than a window ({length})")
+        rng = np.random.default_rng([seed, step])
+        starts = rng.integers(0, len(self.tokens) - length, batch)
+        return np.stack([self.tokens[s:s + length] for s in starts])
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def _manager(path: Path, keep: int = 2):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(path.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep))
+
+
+def train_loop(loss_fn: Callable, params: Any, stream: TokenStream, *, steps: int, batch: int, length: int,
+               optim: OptimConfig, frozen: Any = None, ckpt_dir: str | Path | None = None, ckpt_every: int = 200,
+               log_every: int = 20, seed: int = 0, eval_fn: Callable | None = None, eval_every: int = 0,
+               progress: bool = True) -> tuple[Any, list[dict]]:
+    """Minimise ``loss_fn(params, frozen, tokens [batch, length]) -> (loss, metrics dict)`` with AdamW.
+
+    ``frozen`` (e.g. a frozen target's params) is passed to the jitted step as an argument, never captured.
+
+    Resumes from the newest Orbax checkpoint in ``ckpt_dir`` when there is one (the data order is a function
+    of the step, so a resumed run continues exactly). Returns the final params and the logged history.
+    """
+    tx = make_optimizer(optim)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    mgr = None
+    if ckpt_dir is not None:
+        import orbax.checkpoint as ocp
+
+        mgr = _manager(Path(ckpt_dir))
+        latest = mgr.latest_step()
+        if latest is not None:
+            abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+            state = mgr.restore(latest, args=ocp.args.StandardRestore(abstract))
+
+    @jax.jit
+    def update(state: TrainState, frozen, tokens):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, frozen, tokens)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), {
+            "loss": loss, "grad_norm": optax.global_norm(grads), **metrics}
+
+    history: list[dict] = []
+    start = int(state.step)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, initial=start, unit="step", leave=False)
+    t0 = time.perf_counter()
+    for step in range(start, steps):
+        state, metrics = update(state, frozen, jnp.asarray(stream.batch(step, batch, length, seed)))
+        if bar is not None:
+            bar.update(1)
+        last = step + 1 == steps
+        if (step + 1) % log_every == 0 or last or step == start:
+            row = {"step": step + 1, "time_s": time.perf_counter() - t0,
+                   **{k: float(v) for k, v in metrics.items()}}
+            if eval_fn is not None and eval_every and ((step + 1) % eval_every == 0 or last):
+                row.update(eval_fn(state.params))
+            history.append(row)
+            if bar is not None:
+                bar.set_postfix(loss=f"{row['loss']:.3f}")
+        if mgr is not None and ((step + 1) % ckpt_every == 0 or last):
+            import orbax.checkpoint as ocp
+
+            mgr.save(step + 1, args=ocp.args.StandardSave(state))
+    if mgr is not None:
+        mgr.wait_until_finished()
+        mgr.close()
+    if bar is not None:
+        bar.close()
+    return state.params, history
+
+
+def cast_floats(tree: Any, dtype) -> Any:
+    """Floating leaves cast to ``dtype`` (integer leaves such as d2t untouched)."""
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def lm_loss(config: ModelConfig, params, tokens, *, attention: str = "dense", compute_dtype=jnp.bfloat16):
+    """Mean next-token cross-entropy of ``tokens [B, T]`` (float32 master params cast to ``compute_dtype``)."""
+    logits = llama.forward(config, cast_floats(params, compute_dtype), tokens[:, :-1], attention=attention)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    loss = jnp.mean(nll)
+    return loss, {"perplexity": jnp.exp(loss)}
+
+
+def train_target(config: ModelConfig, stream: TokenStream, *, steps: int, batch: int, seq_len: int,
+                 optim: OptimConfig | None = None, ckpt_dir: str | Path | None = None, seed: int = 0,
+                 attention: str = "dense", compute_dtype=jnp.bfloat16, init_scale: float | None = None,
+                 eval_stream: TokenStream | None = None, eval_every: int = 0, log_every: int = 20,
+                 progress: bool = True) -> tuple[dict, list[dict]]:
+    """Train a Llama-architecture target from scratch on ``stream`` windows of ``seq_len + 1`` tokens.
+
+    Returns float32 params (export with :func:`checkpoints_tools.hf.save_hf`) and the training history.
+    """
+    optim = optim or OptimConfig(total_steps=steps)
+    scale = init_scale if init_scale is not None else 1.0 / math.sqrt(config.hidden_size)
+    params = llama.init_params(config, seed=seed, dtype=jnp.float32, scale=scale)
+    params = jax.tree_util.tree_map(
+        lambda p: jnp.ones_like(p) if p.ndim == 1 else p, params)  # norm weights start at 1 for training
+    loss_fn = lambda p, _, toks: lm_loss(config, p, toks, attention=attention, compute_dtype=compute_dtype)  # noqa
+
+    eval_fn = None
+    if eval_stream is not None and eval_every:
+        held = jnp.asarray(eval_stream.batch(0, batch, seq_len + 1, seed=seed + 1))
+        eval_loss = jax.jit(lambda p: loss_fn(p, None, held)[0])
+        eval_fn = lambda p: {"eval_loss": float(eval_loss(p))}  # noqa: E731
+    return train_loop(loss_fn, params, stream, steps=steps, batch=batch, length=seq_len + 1, optim=optim,
+                      ckpt_dir=ckpt_dir, seed=seed, eval_fn=eval_fn, eval_every=eval_every, log_every=log_every,
+                      progress=progress)
