@@ -191,9 +191,8 @@ def _contiguous_scores(q, lse, k_cache, root, chunk, *, tile, rows):
     root = _as_index(root, q.device, "root")
     _check_scoring(q, lse, k_cache.shape[2], k_cache.shape[3], root, "chunk scores")
     s_len = k_cache.shape[1]
-    n_rows = k_cache.shape[0] if rows is None else None
-    _check(n_rows is None or n_rows == q.shape[0],
-           f"chunk scores: k_cache has {k_cache.shape[0]} rows but q has {q.shape[0]}")
+    n_rows = k_cache.shape[0] if rows is None else rows.shape[0]
+    _check(n_rows == q.shape[0], f"chunk scores: k_cache has {n_rows} rows but q has {q.shape[0]}")
     _check(bool(((root >= 0) & (root < s_len)).all()) if root.numel() else True,
            f"chunk scores: every root must lie in [0, {s_len}) (the K cache length), got {root.tolist()}")
 
