@@ -572,7 +572,7 @@ class _RetrievalControl:
         ms = [c._ms_total for c in self.c[:real]]
         agg["retrieval_ms"] = sum(ms) / max(1, agg["retrievals"])
         agg["ranks_agree"] = all(p["ranks_agree"] for p in per)
-        agg["selection_digest"] = _digest([hash(p["selection_digest"]) & 0xFFFF for p in per])
+        agg["selection_digest"] = hashlib.sha1(",".join(p["selection_digest"] for p in per).encode()).hexdigest()[:16]
         return {"aggregate": agg, "per_sequence": per}
 
 

@@ -34,17 +34,11 @@ from diffspec_jax.errors import DiffspecError, InputError
 
 
 def default_pair() -> tuple[Path, Path]:
-    """The embedded default pair: for now a tiny **random** Llama and a random EAGLE-3 draft, created once in
-    ``$DIFFSPEC_CACHE`` (default ``~/.cache/diffspec_jax``). Their tokens are meaningless."""
-    from checkpoints_tools.make_tiny import make_tiny, make_tiny_draft, tiny_config
+    """The embedded default pair shipped in the package (``diffspec_jax/demo/pair``): a small Llama trained on
+    the Python standard library and its EAGLE-3 draft (see ``MODEL_CARD.md`` there)."""
+    from diffspec_jax import demo
 
-    root = Path(os.environ.get("DIFFSPEC_CACHE", Path.home() / ".cache" / "diffspec_jax"))
-    target, draft = root / "random-tiny-llama-v1", root / "random-tiny-llama-v1-eagle3"
-    if not (target / "config.json").exists():
-        make_tiny(target, "llama", backend="numpy", seed=0)
-    if not (draft / "config.json").exists():
-        make_tiny_draft(draft, tiny_config("llama"), draft_vocab_size=128, seed=1)
-    return target, draft
+    return demo.target_dir(), demo.draft_dir()
 
 
 def _tokenizer(path: Path):
@@ -70,7 +64,9 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
     elif args.prompt is not None:
         text = args.prompt
     if text is None:
-        return [int(t) for t in np.random.default_rng(args.seed).integers(3, vocab_size, 48)]
+        from diffspec_jax import demo
+
+        text = demo.prompt_text()  # the built-in long prompt: a held-out standard-library module
     if tok is None:
         raise InputError("the target directory has no tokenizer; pass --prompt-ids")
     if args.chat:
@@ -93,20 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", help="file holding the prompt text")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-speculative-tokens", "-k", type=int, default=SpecConfig.num_speculative_tokens)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policy", default=SpecConfig.draft_context_policy, help="full | recent | diffspec")
+    ap.add_argument("--policy", default=None, help="full | recent | diffspec (default: full; diffspec for the "
+                                                   "embedded default)")
     ap.add_argument("--chunk-size", type=int, default=SpecConfig.diffspec_chunk_size)
     ap.add_argument("--token-budget", type=int, default=SpecConfig.diffspec_token_budget)
     ap.add_argument("--retrieval-interval", type=int, default=SpecConfig.diffspec_retrieval_interval)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices on the mesh's tp axis)")
     ap.add_argument("--draft-tp", type=int, default=None, help="draft tensor-parallel size: 1 (replicated) or --tp")
-    ap.add_argument("--dtype", default=None, help="bfloat16 | float32 (default: bfloat16, float32 for the random "
-                                                 "default pair)")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ap.add_argument("--compare", action="store_true", help="also run target-only decoding and report the speedup")
     ap.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats)")
@@ -120,17 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     from diffspec_jax.target import load_target
 
     try:
-        random_pair = args.target is None
-        if random_pair:
+        embedded = args.target is None
+        if embedded:
             target_dir, draft_dir = default_pair()
+            args.compare = args.compare or not args.no_draft  # the demo reports its speedup, measured here
         else:
             target_dir, draft_dir = Path(args.target), Path(args.draft) if args.draft else None
         if args.no_draft:
             draft_dir = None
-        dtype = args.dtype or ("float32" if random_pair else "bfloat16")
-        target = load_target(target_dir, dtype=dtype)
+        policy = args.policy or ("diffspec" if embedded else SpecConfig.draft_context_policy)
+        target = load_target(target_dir, dtype=args.dtype)
         draft = load_draft(draft_dir, target) if draft_dir is not None else None
-        spec = SpecConfig(num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=args.policy,
+        random_pair = (target_dir / "RANDOM_WEIGHTS.json").exists()
+        spec = SpecConfig(num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=policy,
                           diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
                           diffspec_retrieval_interval=args.retrieval_interval,
                           draft_tensor_parallel_size=args.draft_tp)
@@ -139,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         prompt = _prompt_ids(args, tok, target.config.vocab_size)
         stream = _Streamer(tok, enabled=not args.json)
         if random_pair and not args.json:
-            print(f"[embedded default: RANDOM tiny target + draft in {target_dir.parent}; tokens are meaningless, "
-                  f"no draft token will be accepted]", file=sys.stderr)
+            print(f"[RANDOM weights in {target_dir}: the tokens are meaningless]", file=sys.stderr)
+        if embedded and not args.json:
+            print(f"[embedded demo pair: {target_dir.parent} (a small Llama and EAGLE-3 draft trained on the Python "
+                  f"standard library; see MODEL_CARD.md there); prompt: {len(prompt)} tokens, policy {policy}]",
+                  file=sys.stderr)
         from diffspec_jax.sharding import make_mesh
 
         mesh = make_mesh(args.tp) if args.tp > 1 else None

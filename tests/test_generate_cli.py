@@ -5,24 +5,32 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import diffspec_jax
 from diffspec_jax import forward, load_target
 
 
-def run_cli(args, tmp_path, monkeypatch, capsys):
+def run_cli(args, capsys):
     import importlib
 
     cli = importlib.import_module("diffspec_jax.generate")  # the CLI module (also callable)
-
-    monkeypatch.setenv("DIFFSPEC_CACHE", str(tmp_path))
     code = cli.main(args)
-    out = capsys.readouterr()
-    return code, out
+    return code, capsys.readouterr()
 
 
-def test_default_pair_is_labelled_random_and_matches_full_forward_greedy(tmp_path, monkeypatch, capsys):
-    code, out = run_cli(["--max-new-tokens", "12", "--json", "--ignore-eos"], tmp_path, monkeypatch, capsys)
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory):
+    from checkpoints_tools.make_tiny import make_tiny, make_tiny_draft, tiny_config
+
+    root = tmp_path_factory.mktemp("cli")
+    return make_tiny(root / "t", "llama", seed=0), make_tiny_draft(root / "d", tiny_config("llama"), seed=1)
+
+
+def test_random_checkpoint_is_labelled_and_matches_full_forward_greedy(random_pair, capsys):
+    target, draft = random_pair
+    code, out = run_cli(["--target", str(target), "--draft", str(draft), "--prompt-ids", "5,6,7,8,9,10",
+                         "--max-new-tokens", "12", "--json", "--ignore-eos", "--dtype", "float32"], capsys)
     assert code == 0
     rep = json.loads(out.out)
     assert rep["random_weights"] is True and rep["draft"] and len(rep["ids"]) == 12
@@ -34,24 +42,39 @@ def test_default_pair_is_labelled_random_and_matches_full_forward_greedy(tmp_pat
     assert seq[len(rep["prompt_ids"]):] == rep["ids"]
 
 
-def test_compare_policy_flags_and_summary(tmp_path, monkeypatch, capsys):
-    code, out = run_cli(["--max-new-tokens", "16", "--compare", "--policy", "diffspec", "--token-budget", "32",
-                         "--chunk-size", "8", "--retrieval-interval", "2", "--prompt-ids",
-                         ",".join(str(i) for i in range(3, 60)), "--ignore-eos", "--no-progress"],
-                        tmp_path, monkeypatch, capsys)
+def test_compare_policy_flags_and_summary(random_pair, capsys):
+    target, draft = random_pair
+    code, out = run_cli(["--target", str(target), "--draft", str(draft), "--max-new-tokens", "16", "--compare",
+                         "--policy", "diffspec", "--token-budget", "32", "--chunk-size", "8",
+                         "--retrieval-interval", "2", "--prompt-ids", ",".join(str(i) for i in range(3, 60)),
+                         "--ignore-eos", "--no-progress", "--dtype", "float32"], capsys)
     assert code == 0
     assert "identical output: True" in out.err and "retrievals" in out.err and "RANDOM" in out.err
     assert len(out.out.split()) == 16  # streamed ids
 
 
-def test_bad_input_is_a_clear_error(tmp_path, monkeypatch, capsys):
-    code, out = run_cli(["--prompt-ids", "1,2,99999"], tmp_path, monkeypatch, capsys)
+def test_embedded_demo_pair_with_a_text_prompt(capsys):
+    """No --target: the shipped trained pair, its tokenizer, DiffSpec, and the comparison with target-only."""
+    code, out = run_cli(["--prompt", "import os\n\ndef main(argv):\n    parser = ", "--max-new-tokens", "24",
+                         "--json", "--ignore-eos"], capsys)
+    assert code == 0, out.err
+    rep = json.loads(out.out)
+    assert rep["random_weights"] is False and rep["target"].endswith("demo/pair/target")
+    assert rep["stats"]["draft_context_policy"] == "diffspec" and len(rep["ids"]) == 24
+    assert rep["identical_to_target_only"] is True and rep["decode_speedup"] > 0
+    assert isinstance(rep["text"], str) and rep["text"]
+    assert rep["stats"]["mean_acceptance_length"] > 1.0  # a trained draft gets tokens accepted
+
+
+def test_bad_input_is_a_clear_error(random_pair, tmp_path, capsys):
+    target, _ = random_pair
+    code, out = run_cli(["--target", str(target), "--prompt-ids", "1,2,99999"], capsys)
     assert code == 2 and "must lie in [0, 256)" in out.err
-    code, out = run_cli(["--prompt", "hello"], tmp_path, monkeypatch, capsys)
+    code, out = run_cli(["--target", str(target), "--prompt", "hello"], capsys)
     assert code == 2 and "has no tokenizer; pass --prompt-ids" in out.err
-    code, out = run_cli(["--num-speculative-tokens", "0"], tmp_path, monkeypatch, capsys)
+    code, out = run_cli(["--num-speculative-tokens", "0", "--prompt", "x"], capsys)
     assert code == 2 and "num_speculative_tokens must be a positive integer" in out.err
-    code, out = run_cli(["--target", str(tmp_path / "missing")], tmp_path, monkeypatch, capsys)
+    code, out = run_cli(["--target", str(tmp_path / "missing")], capsys)
     assert code == 2 and "does not exist" in out.err
 
 
@@ -62,16 +85,17 @@ def test_package_generate_stays_callable_after_the_cli_module_is_imported(target
     assert len(res.tokens[0]) == 3
 
 
-def test_module_runs_as_a_script(tmp_path):
-    env = {"DIFFSPEC_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-m", "diffspec_jax.generate", "--max-new-tokens", "4", "--json"],
+def test_module_runs_as_a_script(random_pair):
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "diffspec_jax.generate", "--target", str(random_pair[0]),
+                           "--prompt-ids", "4,5,6", "--max-new-tokens", "4", "--json"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["ids"]) <= 4
     assert "RuntimeWarning" not in proc.stderr
 
 
-def test_text_prompt_chat_template_and_streamed_text(tmp_path, monkeypatch, capsys):
+def test_text_prompt_chat_template_and_streamed_text(tmp_path, capsys):
     """A target directory with a tokenizer: text in, text out, chat template applied with --chat."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -87,12 +111,11 @@ def test_text_prompt_chat_template_and_streamed_text(tmp_path, monkeypatch, caps
     fast.chat_template = "{% for m in messages %}w7 {{ m['content'] }} w8{% endfor %}"
     fast.save_pretrained(target)
     code, out = run_cli(["--target", str(target), "--draft", str(draft), "--prompt", "w1 w2 w3 w4", "--chat",
-                         "--max-new-tokens", "6", "--ignore-eos", "--json", "--dtype", "float32"],
-                        tmp_path, monkeypatch, capsys)
+                         "--max-new-tokens", "6", "--ignore-eos", "--json", "--dtype", "float32"], capsys)
     assert code == 0, out.err
     rep = json.loads(out.out)
-    assert rep["prompt_ids"] == [10, 4, 5, 6, 7, 11] and rep["random_weights"] is False
+    assert rep["prompt_ids"] == [10, 4, 5, 6, 7, 11] and rep["random_weights"] is True  # make_tiny weights
     assert rep["text"] == " ".join(words[i] for i in rep["ids"])
     code, out = run_cli(["--target", str(target), "--draft", str(draft), "--prompt", "w1 w2", "--max-new-tokens",
-                         "5", "--ignore-eos", "--dtype", "float32", "--no-progress"], tmp_path, monkeypatch, capsys)
+                         "5", "--ignore-eos", "--dtype", "float32", "--no-progress"], capsys)
     assert code == 0 and len(out.out.split()) == 5 and all(w.startswith("w") for w in out.out.split())

@@ -71,6 +71,53 @@ def evaluate(target, draft, prompts_by_ctx: dict[int, list[list[int]]], new_toke
     return rows
 
 
+def model_card_markdown(card: dict) -> str:
+    """The human-readable model card (``MODEL_CARD.md``) of a ``model_card.json``."""
+    d, t, dr, ev = card["data"], card["target"], card["draft"], card.get("eval", {})
+    lines = [
+        "# diffspec-jax demo pair", "",
+        "A small Llama target and its EAGLE-3 draft, trained from scratch by this project on the Python standard "
+        "library so that acceptance (the quantity DiffSpec raises) can be measured without downloading weights. "
+        "They write plausible-looking Python and nothing more: a demonstration pair, not a useful model.", "",
+        "## Data",
+        f"- Python {d['python']} standard library sources ({d['train_files']} training files, "
+        f"{d['held_out_files']} held out; packages held out: {', '.join(d['held_out_packages'])}).",
+        f"- Documents are packages (files concatenated): repository-level context. Training tokens: "
+        f"{d.get('train_tokens')}; held-out tokens: {d.get('held_out_tokens')}.",
+        f"- sha256 of the training text {d['train_sha256']}, of the held-out text {d['held_out_sha256']}; "
+        "file lists in `corpus_files.json`.",
+        f"- Tokenizer: byte-level BPE, vocabulary {card['tokenizer']['vocab_size']} (`target/tokenizer.json`).", "",
+        "## Models",
+        f"- Target: `LlamaForCausalLM`, {t['parameters']:,} parameters, {t['config']['num_hidden_layers']} layers, "
+        f"hidden {t['config']['hidden_size']}, {t['config']['num_attention_heads']} heads / "
+        f"{t['config']['num_key_value_heads']} KV heads, trained {t['steps']} steps x {t['batch']} sequences of "
+        f"{t['seq_len']} tokens (AdamW, warm-up + cosine) in {t['train_seconds']:.0f} s; final train loss "
+        f"{t['final']['loss']:.3f}, held-out loss {t['final'].get('eval_loss', float('nan')):.3f} (nats/token). "
+        "Stored in bfloat16.",
+        f"- Draft: EAGLE-3 (SpecForge / vLLM layout), {dr['parameters']:,} trainable parameters (embedding shared "
+        f"with the target), draft vocabulary {dr['config']['draft_vocab_size']}, aux layers "
+        f"{dr['config'].get('eagle_config', {}).get('eagle_aux_hidden_state_layer_ids')}, trained {dr['steps']} "
+        f"steps x {dr['batch']} windows of {dr['seq_len']} tokens with {dr['ttt_steps']}-step training-time test in "
+        f"{dr['train_seconds']:.0f} s; final loss {dr['final']['loss']:.3f}, held-out teacher-forced acceptance "
+        f"length {dr['final'].get('eval_acceptance_length', float('nan')):.2f}.",
+        f"- Built on {card['device']} with JAX {card['jax']} in {card.get('build_seconds', 0):.0f} s.", "",
+        "## Acceptance (greedy, measured by the build)",
+        f"{ev.get('prompts_per_context')} held-out prompts per context ({ev.get('prompt_source')}), "
+        f"{ev.get('new_tokens')} new tokens, K = {ev.get('k')}, working-cache budget {ev.get('budget')}, chunk "
+        f"{ev.get('chunk')}. Mean acceptance length = tokens emitted per verification (bonus included); speed is "
+        "decode tokens/s over target-only decoding of the same prompts in the same run.", "",
+        "| context | policy | mean acceptance length | decode tok/s | speedup vs target-only |",
+        "|---:|---|---:|---:|---:|"]
+    for r in card.get("acceptance", []):
+        if r["policy"] == "target-only":
+            lines.append(f"| {r['context']} | target-only | - | {r['decode_tokens_per_s']:.0f} | 1.00 |")
+        else:
+            lines.append(f"| {r['context']} | {r['policy']} | {r['mean_acceptance_length']:.2f} | "
+                         f"{r['decode_tokens_per_s']:.0f} | {r['speedup_vs_target']:.2f} |")
+    lines += ["", "## Rebuild", "```bash", card["commands"]["build"], "```", ""]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m diffspec_jax.demo.build", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -189,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                     "prompt_source": "random windows of held-out packages other than argparse"}
     card["build_seconds"] = time.perf_counter() - t_start
     (out / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
+    (out / "MODEL_CARD.md").write_text(model_card_markdown(card))
     print(f"built the demo pair in {out} ({card['build_seconds']:.0f} s)")
     return 0
 

@@ -1,0 +1,162 @@
+"""Target LM training (optax, Orbax resume, HF export) and the EAGLE-3 draft trainer (TTT, export, CLI)."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import hf_logits, rel_err
+from diffspec_jax import SpecConfig, generate, load_draft, load_target
+from diffspec_jax.target import TargetModel
+from diffspec_jax.training import OptimConfig, TokenStream, train_target
+
+
+@pytest.fixture(scope="module")
+def corpus_stream():
+    """A small real corpus (the first standard-library files) and a 300-token BPE trained on it."""
+    from diffspec_jax.corpus import build_corpus, train_tokenizer
+
+    corpus = build_corpus(max_files=30)
+    tok = train_tokenizer([d.text for d in corpus.train], 300)
+    docs = [np.asarray(tok(d.text)["input_ids"], np.int32) for d in corpus.train]
+    return tok, TokenStream(docs, tok.eos_token_id), corpus
+
+
+@pytest.fixture(scope="module")
+def trained_target(corpus_stream):
+    from checkpoints_tools.make_tiny import tiny_config
+
+    tok, stream, _ = corpus_stream
+    cfg = tiny_config("llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4)
+    params, history = train_target(cfg, stream, steps=120, batch=8, seq_len=64, progress=False, log_every=20,
+                                   optim=OptimConfig(lr=3e-3, warmup_steps=10, total_steps=120), attention="dense")
+    return TargetModel(cfg, params), history
+
+
+def test_corpus_manifest_and_tokenizer(corpus_stream, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok, stream, corpus = corpus_stream
+    m = corpus.manifest
+    assert m["python"] and len(m["train_sha256"]) == 64 and m["train_files"] == len(m["files"]["train"])
+    assert all(d.text.startswith("# file: ") for d in corpus.train)
+    tok.save_pretrained(tmp_path)
+    assert (tmp_path / "tokenizer.json").exists() and (tmp_path / "tokenizer_config.json").exists()
+    back = AutoTokenizer.from_pretrained(tmp_path)
+    text = "def f(x):\n    return x + 1\n"
+    assert back.decode(back(text)["input_ids"]) == text  # byte-level: lossless round trip
+    assert len(stream) > 10_000
+
+
+def test_target_training_loss_falls(trained_target):
+    _, history = trained_target
+    assert history[-1]["loss"] < history[0]["loss"] - 1.0
+
+
+def test_training_resumes_from_orbax_checkpoints(corpus_stream, tmp_path):
+    from checkpoints_tools.make_tiny import tiny_config
+
+    tok, stream, _ = corpus_stream
+    cfg = tiny_config("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    kw = dict(batch=4, seq_len=32, progress=False, log_every=1, optim=OptimConfig(lr=3e-3, warmup_steps=2,
+                                                                                 total_steps=12))
+    straight, _ = train_target(cfg, stream, steps=12, **kw)
+    train_target(cfg, stream, steps=6, ckpt_dir=tmp_path / "ck", **kw)  # stops at step 6, checkpoint written
+    resumed, hist = train_target(cfg, stream, steps=12, ckpt_dir=tmp_path / "ck", **kw)
+    assert hist[0]["step"] == 7  # continued, not restarted
+    for a, b in zip(np.asarray(straight["layers"][0]["wq"]).ravel()[:50], np.asarray(resumed["layers"][0]["wq"]).ravel()[:50]):
+        assert abs(a - b) < 1e-5
+
+
+def test_trained_target_exports_to_transformers(trained_target, tmp_path):
+    import torch
+    import transformers
+
+    from checkpoints_tools.hf import save_hf
+
+    model, _ = trained_target
+    save_hf(tmp_path, model.config, model.params, dtype="float32")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
+                                                                output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, 40))
+    from diffspec_jax import forward
+
+    assert rel_err(forward(load_target(tmp_path, "float32"), ids), hf_logits(hf, ids)) <= 1e-4
+
+
+def test_ttt_steps_match_the_engines_chain_equations(trained_target, corpus_stream):
+    """Step 0 of training-time test is the draft's reference forward; step 1 at entry t is chain step 1 from root
+    t (draft token x_{t+2}, h2 fed back, RoPE position t + 1, attending to entries <= t and itself)."""
+    from test_draft import NumpyDraft
+
+    from diffspec_jax.models import eagle3, llama
+    from diffspec_jax.train_draft import draft_config_for, ttt_logits
+
+    target, _ = trained_target
+    _, stream, _ = corpus_stream
+    cfg = draft_config_for(target, 300, (0, 2, 3))
+    params = eagle3.init_params(cfg, seed=3, dtype=jnp.float32, used_ids=np.arange(300))
+    params["embed"] = target.params["embed"]
+    window = jnp.asarray(stream.tokens[:18][None])
+    t = 16
+    _, aux = llama.forward_aux(target.config, target.params, window, aux_layers=(0, 2, 3))
+    steps = ttt_logits(cfg, params, aux[:, :t], window[:, 1:], 2)
+    _, ref0 = eagle3.forward(cfg, params, window[:, 1:t + 1], aux[:, :t])
+    np.testing.assert_allclose(steps[0], ref0, atol=2e-5)
+    toks = np.asarray(window[0])
+    feats = np.asarray(aux[0], np.float64)
+    for root in (3, 15):
+        ref = NumpyDraft(cfg, params)
+        for e in range(root + 1):
+            q, g = ref.entry(int(toks[e + 1]), feats[e], e, from_target=True)
+        h2, _ = ref.attend_and_finish(q, g)
+        q, g = ref.entry(int(toks[root + 2]), h2, root + 1, from_target=False)
+        _, logits = ref.attend_and_finish(q, g)
+        np.testing.assert_allclose(np.asarray(steps[1][0, root]), logits, atol=5e-5, rtol=1e-5)
+
+
+def test_draft_training_export_and_lossless_generation(trained_target, corpus_stream, tmp_path):
+    from diffspec_jax.train_draft import export_draft, train_draft
+
+    target, _ = trained_target
+    _, stream, _ = corpus_stream
+    cfg, params, history = train_draft(target, stream, steps=100, batch=8, seq_len=64, ttt_steps=3,
+                                       draft_vocab=200, aux_layers=(0, 2, 3), progress=False, log_every=25,
+                                       optim=OptimConfig(lr=3e-3, warmup_steps=10, total_steps=100),
+                                       eval_stream=stream, eval_every=50)
+    assert history[-1]["loss"] < history[0]["loss"] - 0.5
+    assert history[-1]["eval_acceptance_length"] > 1.1
+    export_draft(tmp_path, cfg, params, dtype="float32", history=history)
+    cfg_json = json.loads((tmp_path / "config.json").read_text())
+    assert cfg_json["draft_vocab_size"] == 200 and cfg_json["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == \
+        [0, 2, 3]
+    draft = load_draft(tmp_path, target)
+    prompts = [list(map(int, stream.tokens[1000:1080])), list(map(int, stream.tokens[4000:4130]))]
+    base = generate(target, None, prompts, max_new_tokens=40, stop_token_ids=())
+    res = generate(target, draft, prompts, max_new_tokens=40, spec=SpecConfig(num_speculative_tokens=3),
+                   stop_token_ids=())
+    assert res.tokens == base.tokens
+    assert res.stats.mean_acceptance_length > 1.2  # the trained draft is accepted
+
+
+def test_train_draft_cli_on_text_and_jsonl(trained_target, corpus_stream, tmp_path):
+    from checkpoints_tools.hf import save_hf
+    from diffspec_jax.train_draft import main
+
+    target, _ = trained_target
+    tok, _, corpus = corpus_stream
+    save_hf(tmp_path / "target", target.config, target.params, dtype="float32")
+    tok.save_pretrained(tmp_path / "target")
+    (tmp_path / "a.txt").write_text(corpus.train[0].text)
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": d.text}) for d in corpus.train[1:4]))
+    code = main(["--target", str(tmp_path / "target"), "--data", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
+                 "--out", str(tmp_path / "draft"), "--steps", "4", "--batch", "2", "--seq-len", "32",
+                 "--ttt-steps", "3", "--draft-vocab", "128", "--aux-layers", "0,2,3", "--eval-every", "0"])
+    assert code == 0
+    draft = load_draft(tmp_path / "draft", load_target(tmp_path / "target", "float32"))
+    assert draft.config.draft_vocab_size == 128 and draft.aux_layers == (0, 2, 3)
+    assert (tmp_path / "draft" / "checkpoints").exists()
+    assert main(["--target", str(tmp_path / "target"), "--data", str(tmp_path / "missing.txt"), "--out",
+                 str(tmp_path / "x")]) == 2
