@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -40,14 +39,10 @@ from diffspec_jax.cache import KVCache, round_capacity
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.models import eagle3, llama
+from diffspec_jax.retrieval_control import RetrievalControl
 from diffspec_jax.sampling import choose, processed_logprobs
 from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
 from diffspec_jax.working_cache import DraftCache
-
-ADAPTIVE_MAX_INTERVAL = 32
-ADAPTIVE_JACCARD = 0.9
-ADAPTIVE_ACCEPT_FACTOR = 0.9
-
 
 # ------------------------------------------------------------------------------------------------ state
 @struct.dataclass
@@ -472,108 +467,12 @@ def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> 
 
 
 # ------------------------------------------------------------------------------------------- host side
-@dataclass
-class RetrievalCounters:
-    """``retrieval_status`` counters of one sequence (DIFFSPEC.md section 11)."""
-
-    cycles: int = 0
-    retrievals: int = 0
-    retrievals_after_prefill: int = 0
-    skipped_prefill: int = 0
-    skipped_not_due: int = 0
-    skipped_fits: int = 0
-    interval: int = 0
-    last_jaccard: float | None = None
-    anchor_chunks: list[int] = field(default_factory=list)
-    sink_kept: bool = False
-    working_len: int = 0
-    window_tokens: int = 0
-    retrieval_ms: float = 0.0
-    selection_digest: str = ""
-    ranks_agree: bool = True
-    # bookkeeping (not reported)
-    _since: int = 0
-    _ms_total: float = 0.0
-    _accept_sum: float = 0.0
-    _accept_n: int = 0
-    _prev_period: float | None = None
-    _selected: tuple[int, ...] | None = None
-
-    def report(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
-
-
-def _digest(chunks: Sequence[int]) -> str:
-    return hashlib.sha1(",".join(map(str, sorted(chunks))).encode()).hexdigest()[:16]
-
-
-class _RetrievalControl:
-    """Host-side cadence, adaptive interval and counters, one :class:`RetrievalCounters` per sequence."""
-
-    def __init__(self, spec: SpecConfig, n: int):
-        self.spec = spec
-        self.c = [RetrievalCounters(interval=spec.diffspec_retrieval_interval) for _ in range(n)]
-
-    def fits(self, root: int) -> bool:
-        return root <= self.spec.history_budget
-
-    def due(self, seq: int, root: int) -> bool:
-        """Classify one finished verification cycle; True when the sequence retrieves now."""
-        c = self.c[seq]
-        c.cycles += 1
-        c._since += 1
-        if c._since < c.interval:
-            c.skipped_not_due += 1
-            return False
-        if self.fits(root):
-            c.skipped_fits += 1
-            return False
-        return True
-
-    def record(self, seq: int, rank_anchors: np.ndarray, root: int, ms: float, after_prefill: bool) -> None:
-        """Book a retrieval; ``rank_anchors [ranks, A]`` holds every tensor-parallel rank's selection."""
-        c, spec = self.c[seq], self.spec
-        chunk = spec.diffspec_chunk_size
-        anchors = rank_anchors[0]
-        c.ranks_agree = c.ranks_agree and bool(np.all(rank_anchors == anchors[None]))
-        selected = tuple(sorted({int(a) for a in anchors if a >= 0} | {root // chunk}))
-        c.retrievals += 1
-        c.retrievals_after_prefill += int(after_prefill)
-        c._since = 0
-        c._ms_total += ms
-        c.retrieval_ms = c._ms_total / c.retrievals
-        c.anchor_chunks = [int(a) for a in anchors if a >= 0]
-        c.sink_kept = 0 in c.anchor_chunks
-        c.selection_digest = _digest(selected)
-        if c._selected is not None:
-            union = set(c._selected) | set(selected)
-            c.last_jaccard = len(set(c._selected) & set(selected)) / max(1, len(union))
-        if spec.diffspec_adaptive_profile and not after_prefill:
-            period = c._accept_sum / c._accept_n if c._accept_n else None
-            stable = c.last_jaccard is not None and c.last_jaccard >= ADAPTIVE_JACCARD
-            holds = period is not None and c._prev_period is not None and period >= ADAPTIVE_ACCEPT_FACTOR * c._prev_period
-            c.interval = min(2 * c.interval, ADAPTIVE_MAX_INTERVAL) if stable and holds else \
-                spec.diffspec_retrieval_interval
-            c._prev_period = period
-        c._accept_sum, c._accept_n = 0.0, 0
-        c._selected = selected
-
-    def observe(self, seq: int, accepted_len: int, n: int, window: int) -> None:
-        c = self.c[seq]
-        c._accept_sum += accepted_len
-        c._accept_n += 1
-        c.working_len, c.window_tokens = n, window
+class _RetrievalControl(RetrievalControl):
+    """The engine's view: one counter set per prompt, reported as ``{"aggregate", "per_sequence"}``."""
 
     def status(self, real: int | None = None) -> dict[str, Any]:
-        per = [c.report() for c in self.c[:real]]
-        keys = ("cycles", "retrievals", "retrievals_after_prefill", "skipped_prefill", "skipped_not_due",
-                "skipped_fits")
-        agg: dict[str, Any] = {k: sum(p[k] for p in per) for k in keys}
-        ms = [c._ms_total for c in self.c[:real]]
-        agg["retrieval_ms"] = sum(ms) / max(1, agg["retrievals"])
-        agg["ranks_agree"] = all(p["ranks_agree"] for p in per)
-        agg["selection_digest"] = hashlib.sha1(",".join(p["selection_digest"] for p in per).encode()).hexdigest()[:16]
-        return {"aggregate": agg, "per_sequence": per}
+        idx = list(range(len(self.c) if real is None else real))
+        return {"aggregate": self.aggregate(idx), "per_sequence": [self.c[i].report() for i in idx]}
 
 
 @dataclass
@@ -778,7 +677,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             host_len[seq] += int(m[r]) + 1
             emit(seq, emitted[r, : int(m[r]) + 1])
             if ctl is not None:
-                ctl.observe(seq, int(m[r]) + 1, int(n[r]), int(window[r]))
+                ctl.observe(seq, emitted=int(m[r]) + 1, working_len=int(n[r]), window=int(window[r]))
                 due[r] = ctl.due(seq, int(host_len[seq]) - 1)
         if ctl is not None and due.any():
             state = _timed_retrieve(fns, ctl, tparams, dparams, state, due, rows, host_len, after_prefill=False)
@@ -819,8 +718,8 @@ def _timed_retrieve(fns, ctl, tparams, dparams, state, mask, rows, host_len, *, 
 def _retrieve_after_prefill(plan, fns, ctl, tparams, dparams, state, host_len, real):
     """DiffSpec's retrieval right after prefill, from the last prompt position's query (when switched on)."""
     if not plan.spec.diffspec_retrieve_after_prefill:
-        for c in ctl.c[:real]:
-            c.skipped_prefill += 1
+        for i in range(real):
+            ctl.skip_prefill(i)
         return state
     mask = np.array([b < real and not ctl.fits(int(host_len[b]) - 1) for b in range(len(host_len))])
     if mask.any():

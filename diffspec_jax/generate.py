@@ -21,12 +21,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import os
 import sys
 import types
 from pathlib import Path
 
-import numpy as np
 
 from diffspec_jax import engine
 from diffspec_jax.config import SamplingConfig, SpecConfig

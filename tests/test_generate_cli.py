@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 
-import diffspec_jax
 from diffspec_jax import forward, load_target
 
 

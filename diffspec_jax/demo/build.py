@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from diffspec_jax.config import ModelConfig, RopeConfig

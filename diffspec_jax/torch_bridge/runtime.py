@@ -21,27 +21,22 @@ selection, gather-RoPE-write) runs on the runtime's device with static buffer sh
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import heapq
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
 import numpy as np
 import torch
 
 from diffspec_jax.config import RopeConfig, SpecConfig
+from diffspec_jax.retrieval_control import ADDITIVE, RetrievalControl, RetrievalCounters
 from diffspec_jax.torch_bridge import ops
 from diffspec_jax.torch_bridge.device import resolve_dtype, select_device
 from diffspec_jax.torch_bridge.errors import BridgeError, BridgeInputError, SlotError
 
-ADAPTIVE_MAX_INTERVAL = 32
-ADAPTIVE_JACCARD = 0.9
-ADAPTIVE_ACCEPT_FACTOR = 0.9
-
-#: counters that add up over requests (aggregate and lifetime totals)
-ADDITIVE = ("cycles", "retrievals", "retrievals_after_prefill", "skipped_prefill", "skipped_not_due", "skipped_fits")
+#: the per-request counters (shared with the JAX engine)
+SlotCounters = RetrievalCounters
 
 
 @dataclass(frozen=True)
@@ -77,40 +72,6 @@ class WorkingCache:
     root_slot: torch.Tensor
     history: torch.Tensor
     window: torch.Tensor
-
-
-@dataclass
-class SlotCounters:
-    """``retrieval_status`` counters of one request (DIFFSPEC.md section 11)."""
-
-    cycles: int = 0
-    retrievals: int = 0
-    retrievals_after_prefill: int = 0
-    skipped_prefill: int = 0
-    skipped_not_due: int = 0
-    skipped_fits: int = 0
-    interval: int = 0
-    last_jaccard: float | None = None
-    anchor_chunks: list[int] = field(default_factory=list)
-    sink_kept: bool = False
-    working_len: int = 0
-    window_tokens: int = 0
-    retrieval_ms: float = 0.0
-    selection_digest: str = ""
-    # bookkeeping (not reported)
-    _since: int = 0
-    _ms_total: float = 0.0
-    _accept_sum: float = 0.0
-    _accept_n: int = 0
-    _prev_period: float | None = None
-    _selected: tuple[int, ...] | None = None
-
-    def report(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
-
-
-def _digest(chunks: Sequence[int] | Sequence[str]) -> str:
-    return hashlib.sha1(",".join(map(str, chunks)).encode()).hexdigest()[:16]
 
 
 class DiffspecRuntime:
@@ -172,14 +133,11 @@ class DiffspecRuntime:
         self._window = torch.zeros((self.max_slots,), dtype=torch.int32, device=self.device)
         self._slot_of: dict[Hashable, int] = {}
         self._free = list(range(self.max_slots))  # a heap: new requests take the lowest free slot
-        self._counters = [self._fresh_counters() for _ in range(self.max_slots)]
+        self._ctl = RetrievalControl(spec, self.max_slots)  # cadence and counters, one entry per slot
         self._stored = [0] * self.max_slots  # 1 + the largest position stored per slot
         self._lifetime = {k: 0 for k in ADDITIVE}
 
     # ------------------------------------------------------------------------------------------ slots
-    def _fresh_counters(self) -> SlotCounters:
-        return SlotCounters(interval=self.spec.diffspec_retrieval_interval)
-
     def add_request(self, request_id: Hashable) -> int:
         """Register a request; returns its slot (the lowest free one).
 
@@ -206,10 +164,10 @@ class DiffspecRuntime:
     def _release(self, request_id: Hashable, what: str) -> int:
         slot = self._slot(request_id, what)
         del self._slot_of[request_id]
-        c = self._counters[slot]
+        c = self._ctl.c[slot]
         for k in ADDITIVE:
             self._lifetime[k] += getattr(c, k)
-        self._counters[slot] = self._fresh_counters()
+        self._ctl.reset(slot)
         self._stored[slot] = 0
         self._anchors[slot] = -1
         self._n[slot] = 0
@@ -332,7 +290,7 @@ class DiffspecRuntime:
         roots = self._roots(root, len(slots), "on_prefill_done")
         if not self.spec.diffspec_retrieve_after_prefill:
             for s in slots:
-                self._counters[s].skipped_prefill += 1
+                self._ctl.skip_prefill(s)
             return [False] * len(slots)
         due = [r > self.history_budget for r in roots]
         self._retrieve(request_ids, slots, roots, due, query, lse, keys, draft_query, after_prefill=True)
@@ -364,20 +322,8 @@ class DiffspecRuntime:
             raise BridgeInputError("on_verify: diffspec_adaptive_profile needs emitted (tokens per cycle, m + 1)")
         due = []
         for i, s in enumerate(slots):
-            c = self._counters[s]
-            if emitted is not None:
-                c._accept_sum += emitted[i]
-                c._accept_n += 1
-            c.cycles += 1
-            c._since += 1
-            if c._since < c.interval:
-                c.skipped_not_due += 1
-                due.append(False)
-            elif roots[i] <= self.history_budget:
-                c.skipped_fits += 1
-                due.append(False)
-            else:
-                due.append(True)
+            self._ctl.observe(s, emitted=None if emitted is None else emitted[i])
+            due.append(self._ctl.due(s, roots[i]))
         self._retrieve(request_ids, slots, roots, due, query, lse, keys, draft_query, after_prefill=False)
         return due
 
@@ -422,7 +368,7 @@ class DiffspecRuntime:
         host = anchors.cpu().numpy()
         ms = (time.perf_counter() - t0) * 1e3 / len(rows)
         for j, i in enumerate(rows):
-            self._record(slots[i], host[j], roots[i], ms, after_prefill)
+            self._ctl.record(slots[i], host[j], roots[i], ms, after_prefill)
 
     def _attention_scores(self, what, b, ridx, root_d, query, lse, keys) -> torch.Tensor:
         if not isinstance(query, torch.Tensor) or keys is None:
@@ -452,31 +398,6 @@ class DiffspecRuntime:
             raise BridgeInputError(f"{what}: keys must be a tensor [B, S, Hkv, D] or PagedKeys, got "
                                    f"{type(keys).__name__}")
         return (scores / q.shape[1]).to(self.device)
-
-    def _record(self, slot: int, anchors: np.ndarray, root: int, ms: float, after_prefill: bool) -> None:
-        c, spec = self._counters[slot], self.spec
-        selected = tuple(sorted({int(a) for a in anchors if a >= 0} | {root // self.chunk}))
-        c.retrievals += 1
-        c.retrievals_after_prefill += int(after_prefill)
-        c._since = 0
-        c._ms_total += ms
-        c.retrieval_ms = c._ms_total / c.retrievals
-        c.anchor_chunks = [int(a) for a in anchors if a >= 0]
-        c.sink_kept = 0 in c.anchor_chunks
-        c.selection_digest = _digest(selected)
-        if c._selected is not None:
-            union = set(c._selected) | set(selected)
-            c.last_jaccard = len(set(c._selected) & set(selected)) / max(1, len(union))
-        if spec.diffspec_adaptive_profile and not after_prefill:
-            period = c._accept_sum / c._accept_n if c._accept_n else None
-            stable = c.last_jaccard is not None and c.last_jaccard >= ADAPTIVE_JACCARD
-            holds = period is not None and c._prev_period is not None and \
-                period >= ADAPTIVE_ACCEPT_FACTOR * c._prev_period
-            c.interval = min(2 * c.interval, ADAPTIVE_MAX_INTERVAL) if stable and holds else \
-                spec.diffspec_retrieval_interval
-            c._prev_period = period
-        c._accept_sum, c._accept_n = 0.0, 0
-        c._selected = selected
 
     # ---------------------------------------------------------------------------------------- rebuild
     def rebuild(self, request_ids: Sequence[Hashable], root) -> WorkingCache:
@@ -529,14 +450,11 @@ class DiffspecRuntime:
             ``cycles = (retrievals - retrievals_after_prefill) + skipped_not_due + skipped_fits``.
         """
         n, window = self._n.tolist(), self._window.tolist()
-        per = {}
+        per, order = {}, []
         for rid, s in sorted(self._slot_of.items(), key=lambda kv: kv[1]):
-            c = self._counters[s]
-            c.working_len, c.window_tokens = int(n[s]), int(window[s])
-            per[rid] = dict(c.report(), slot=s)
-        agg: dict[str, Any] = {k: sum(p[k] for p in per.values()) for k in ADDITIVE}
-        ms = sum(self._counters[s]._ms_total for s in self._slot_of.values())
-        agg["retrieval_ms"] = ms / max(1, agg["retrievals"])
-        agg["selection_digest"] = _digest([p["selection_digest"] for p in per.values()])
+            self._ctl.observe(s, working_len=int(n[s]), window=int(window[s]))
+            per[rid] = dict(self._ctl.c[s].report(), slot=s)
+            order.append(s)
+        agg = self._ctl.aggregate(order)
         lifetime = {k: self._lifetime[k] + agg[k] for k in ADDITIVE}
         return {"aggregate": agg, "per_request": per, "lifetime": lifetime}

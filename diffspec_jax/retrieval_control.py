@@ -1,0 +1,143 @@
+"""Host-side DiffSpec retrieval control, shared by the JAX engine and the torch bridge (no JAX, no torch).
+
+Per sequence (or request slot): the verification-cycle cadence with its adaptive interval (DIFFSPEC.md section 4)
+and the ``retrieval_status`` counters (section 11). Decisions are plain Python on the single controller, so every
+tensor-parallel rank acts on the same decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from diffspec_jax.config import SpecConfig
+
+ADAPTIVE_MAX_INTERVAL = 32
+ADAPTIVE_JACCARD = 0.9
+ADAPTIVE_ACCEPT_FACTOR = 0.9
+#: counters that add up over sequences
+ADDITIVE = ("cycles", "retrievals", "retrievals_after_prefill", "skipped_prefill", "skipped_not_due", "skipped_fits")
+
+
+@dataclass
+class RetrievalCounters:
+    """``retrieval_status`` counters of one sequence (DIFFSPEC.md section 11); ``_``-fields are bookkeeping."""
+
+    cycles: int = 0
+    retrievals: int = 0
+    retrievals_after_prefill: int = 0
+    skipped_prefill: int = 0
+    skipped_not_due: int = 0
+    skipped_fits: int = 0
+    interval: int = 0
+    last_jaccard: float | None = None
+    anchor_chunks: list[int] = field(default_factory=list)
+    sink_kept: bool = False
+    working_len: int = 0
+    window_tokens: int = 0
+    retrieval_ms: float = 0.0
+    selection_digest: str = ""
+    ranks_agree: bool = True
+    _since: int = 0
+    _ms_total: float = 0.0
+    _accept_sum: float = 0.0
+    _accept_n: int = 0
+    _prev_period: float | None = None
+    _selected: tuple[int, ...] | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("_")}
+
+
+def digest(items: Iterable) -> str:
+    """A short stable digest (sha1) of a sequence of chunk ids or digests."""
+    return hashlib.sha1(",".join(map(str, items)).encode()).hexdigest()[:16]
+
+
+class RetrievalControl:
+    """Cadence, adaptive interval and counters for ``n`` sequences (index = sequence or slot)."""
+
+    def __init__(self, spec: SpecConfig, n: int):
+        self.spec = spec
+        self.c = [self._fresh() for _ in range(n)]
+
+    def _fresh(self) -> RetrievalCounters:
+        return RetrievalCounters(interval=self.spec.diffspec_retrieval_interval)
+
+    def reset(self, i: int) -> None:
+        """Clear sequence ``i`` (a freed slot)."""
+        self.c[i] = self._fresh()
+
+    def fits(self, root: int) -> bool:
+        """The whole context ``0..root-1`` fits the history budget: scoring would change nothing."""
+        return root <= self.spec.history_budget
+
+    def skip_prefill(self, i: int) -> None:
+        self.c[i].skipped_prefill += 1
+
+    def observe(self, i: int, emitted: int | None = None, working_len: int | None = None,
+                window: int | None = None) -> None:
+        """Book a verification's emitted tokens (m + 1, for the adaptive interval) and the last rebuild's sizes."""
+        c = self.c[i]
+        if emitted is not None:
+            c._accept_sum += emitted
+            c._accept_n += 1
+        if working_len is not None:
+            c.working_len, c.window_tokens = int(working_len), int(window)
+
+    def due(self, i: int, root: int) -> bool:
+        """Classify one finished verification cycle of sequence ``i``; True when it retrieves now."""
+        c = self.c[i]
+        c.cycles += 1
+        c._since += 1
+        if c._since < c.interval:
+            c.skipped_not_due += 1
+            return False
+        if self.fits(root):
+            c.skipped_fits += 1
+            return False
+        return True
+
+    def record(self, i: int, rank_anchors: np.ndarray, root: int, ms: float, after_prefill: bool) -> None:
+        """Book a retrieval of sequence ``i``; ``rank_anchors`` is ``[ranks, A]`` (every tensor-parallel rank's
+        anchors, checked equal) or ``[A]``."""
+        c, spec = self.c[i], self.spec
+        rank_anchors = np.atleast_2d(np.asarray(rank_anchors))
+        anchors = rank_anchors[0]
+        c.ranks_agree = c.ranks_agree and bool(np.all(rank_anchors == anchors[None]))
+        selected = tuple(sorted({int(a) for a in anchors if a >= 0} | {root // spec.diffspec_chunk_size}))
+        c.retrievals += 1
+        c.retrievals_after_prefill += int(after_prefill)
+        c._since = 0
+        c._ms_total += ms
+        c.retrieval_ms = c._ms_total / c.retrievals
+        c.anchor_chunks = [int(a) for a in anchors if a >= 0]
+        c.sink_kept = 0 in c.anchor_chunks
+        c.selection_digest = digest(selected)
+        if c._selected is not None:
+            union = set(c._selected) | set(selected)
+            c.last_jaccard = len(set(c._selected) & set(selected)) / max(1, len(union))
+        if spec.diffspec_adaptive_profile and not after_prefill:
+            period = c._accept_sum / c._accept_n if c._accept_n else None
+            stable = c.last_jaccard is not None and c.last_jaccard >= ADAPTIVE_JACCARD
+            holds = period is not None and c._prev_period is not None and period >= ADAPTIVE_ACCEPT_FACTOR * \
+                c._prev_period
+            c.interval = min(2 * c.interval, ADAPTIVE_MAX_INTERVAL) if stable and holds else \
+                spec.diffspec_retrieval_interval
+            c._prev_period = period
+        c._accept_sum, c._accept_n = 0.0, 0
+        c._selected = selected
+
+    def aggregate(self, indices: Sequence[int]) -> dict[str, Any]:
+        """Additive counters summed over ``indices``, the mean retrieval time, rank agreement, and a digest of the
+        per-sequence digests (in the given order)."""
+        cs = [self.c[i] for i in indices]
+        agg: dict[str, Any] = {k: sum(getattr(c, k) for c in cs) for k in ADDITIVE}
+        agg["retrieval_ms"] = sum(c._ms_total for c in cs) / max(1, agg["retrievals"])
+        agg["ranks_agree"] = all(c.ranks_agree for c in cs)
+        agg["selection_digest"] = digest(c.selection_digest for c in cs)
+        return agg
