@@ -149,8 +149,10 @@ def select_chunks(scores: jax.Array, root: jax.Array, chunk: int, max_chunks: in
         ok = jnp.take_along_axis(score, order, axis=1) > NO_SCORE
         picked = jnp.zeros((b, nc), bool).at[jnp.arange(b)[:, None], order].set(ok)
     chosen = picked | forced
-    anchors = jnp.where(chosen, ids, nc)
-    anchors = jnp.sort(anchors, axis=1)[:, :free_slots]
+    anchors = jnp.sort(jnp.where(chosen, ids, nc), axis=1)
+    if nc < free_slots:  # fewer chunks than slots (a short cache): pad
+        anchors = jnp.pad(anchors, ((0, 0), (0, free_slots - nc)), constant_values=nc)
+    anchors = anchors[:, :free_slots]
     return jnp.where(anchors == nc, -1, anchors).astype(jnp.int32)
 
 

@@ -95,6 +95,12 @@ def test_all_chunks_fit_selects_every_complete_chunk():
     assert [int(a) for a in anchors[0] if a >= 0] == [0, 1]  # chunks 0, 1 + newest 2
 
 
+def test_fewer_chunks_than_slots_keeps_the_output_width():
+    """A cache shorter than the budget has fewer chunks than anchor slots: the output is still [B, Nmax - 1]."""
+    anchors = np.asarray(select_chunks(jnp.asarray([[0.3, 0.2, 0.1]]), jnp.asarray([20]), 8, 31, False))
+    assert anchors.shape == (1, 30) and list(anchors[0, :2]) == [0, 1] and (anchors[0, 2:] == -1).all()
+
+
 def test_redundancy_penalty_skips_a_near_duplicate_chunk():
     scores = jnp.asarray([[0.5, 0.9, 0.85, 0.3, 0.0, 0.0]])
     feats = np.eye(6, 4)[:, :4].astype(np.float32)

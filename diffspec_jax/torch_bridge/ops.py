@@ -370,7 +370,7 @@ def select_chunks(scores: torch.Tensor, root, chunk: int, max_chunks: int, keep_
     chosen = picked | forced
     anchors = torch.sort(torch.where(chosen, ids.expand(b, nc), nc), dim=1).values[:, :free_slots]
     anchors = torch.where(anchors == nc, -1, anchors)
-    if anchors.shape[1] < free_slots:  # fewer chunks than slots: pad (the JAX reference is never called so)
+    if anchors.shape[1] < free_slots:  # fewer chunks than slots (a short cache): pad, as the JAX reference does
         anchors = torch.nn.functional.pad(anchors, (0, free_slots - anchors.shape[1]), value=-1)
     return anchors.to(torch.int32)
 

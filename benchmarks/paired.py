@@ -1,0 +1,239 @@
+"""Paired benchmark: target-only vs EAGLE-3 (full draft context) vs sliding window vs DiffSpec, same inputs.
+
+    python benchmarks/paired.py --contexts 2048,8192,16384 --new-tokens 256 --repeats 3 \\
+        --out benchmarks/results/paired_demo_h200.json            # the demo pair (default models)
+    python benchmarks/paired.py --target T --draft D ...           # any pair
+
+Methods: ``target`` (autoregressive, the reference), ``eagle3-full``, ``eagle3-recent``, ``diffspec``. For each
+context length the same prompts (random windows of held-out text, hashes recorded) go through every method; after
+one warm-up of each, repeats are interleaved ABBA (A B C D, D C B A, ...) so drift hits every method alike. Greedy
+output of every method must equal ``target``'s: a mismatch fails the run (exit status 1), unless
+``--tie-tolerance`` is given, in which case a divergence is accepted only at a numerical near-tie (the two tokens'
+float32 logits, recomputed by a full forward pass, within the tolerance; see ``lossless_check.py``) and reported.
+
+Per case: time to first token, decode tokens/s (excluding prefill), end-to-end tokens/s, mean acceptance length,
+per-position acceptance, retrievals and their share of decode time, peak device memory; medians and coefficients
+of variation over the repeats. The JSON records the git commit, versions, device, model configs and weight-file
+hashes, how the inputs were built and their hashes, and every setting; a PNG (speedup and acceptance vs context)
+is written next to it when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, write_json  # noqa: E402
+
+METHODS = ("target", "eagle3-full", "eagle3-recent", "diffspec")
+POLICY = {"eagle3-full": "full", "eagle3-recent": "recent", "diffspec": "diffspec"}
+
+
+def file_hashes(path: Path) -> dict[str, str]:
+    from checkpoints_tools.inspect import sha256_file
+
+    return {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.suffix in (".safetensors", ".json")}
+
+
+def build_prompts(ids: np.ndarray, context: int, count: int, seed: int) -> list[list[int]]:
+    """``count`` windows of ``context`` tokens at seeded random offsets of ``ids``."""
+    if len(ids) < context:
+        raise SystemExit(f"the prompt source has {len(ids)} tokens, fewer than the context {context}")
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(ids) - context + 1, count)
+    return [[int(t) for t in ids[s:s + context]] for s in starts]
+
+
+def peak_memory() -> int | None:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # CPU backends have none
+        return None
+    return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+
+
+def run_method(method, target, draft, prompts, args):
+    import diffspec_jax as dj
+
+    spec = dj.SpecConfig(num_speculative_tokens=args.k, draft_context_policy=POLICY.get(method, "full"),
+                         diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
+                         diffspec_retrieval_interval=args.interval)
+    t0 = time.perf_counter()
+    res = dj.generate(target, None if method == "target" else draft, prompts, max_new_tokens=args.new_tokens,
+                      spec=spec, stop_token_ids=(), max_cache_len=args.cache_len)
+    total = time.perf_counter() - t0
+    s = res.stats
+    ret = (s.retrieval or {}).get("aggregate", {})
+    retrieval_s = ret.get("retrieval_ms", 0.0) * ret.get("retrievals", 0) / 1e3
+    return res.tokens, {
+        "ttft_s": s.prefill_s, "decode_tokens_per_s": s.decode_tokens_per_s, "end_to_end_tokens_per_s":
+            s.new_tokens / total, "mean_acceptance_length": s.mean_acceptance_length,
+        "acceptance_per_position": s.acceptance_per_position, "retrievals": ret.get("retrievals"),
+        "retrieval_share_of_decode": retrieval_s / s.decode_s if s.decode_s else None,
+        "peak_memory_bytes": peak_memory()}
+
+
+def check_equal(base, out, target_f32, prompts, tol):
+    """None when identical; else a list of divergences, each with its float32 logit gap and near-tie verdict."""
+    from benchmarks.lossless_check import first_divergence, tie_gap
+
+    problems = []
+    for i, (a, b) in enumerate(zip(base, out)):
+        j = first_divergence(a, b)
+        if j is None:
+            continue
+        row = {"prompt": i, "first_divergence": j}
+        if tol is not None:
+            row.update(tie_gap(target_f32, prompts[i], a[:j], a[j], b[j]))
+            row["near_tie"] = row["gap"] <= tol
+        problems.append(row)
+    return problems or None
+
+
+def summarise(rows: list[dict]) -> dict:
+    out = {}
+    for key in ("ttft_s", "decode_tokens_per_s", "end_to_end_tokens_per_s", "mean_acceptance_length",
+                "retrieval_share_of_decode", "peak_memory_bytes"):
+        vals = [r[key] for r in rows if r[key] is not None]
+        if vals:
+            med = statistics.median(vals)
+            cv = statistics.pstdev(vals) / statistics.mean(vals) if len(vals) > 1 and statistics.mean(vals) else 0.0
+            out[key] = {"median": med, "cv": cv, "values": vals}
+    out["acceptance_per_position"] = rows[-1]["acceptance_per_position"]
+    out["retrievals"] = rows[-1]["retrievals"]
+    return out
+
+
+def plot(payload: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ctxs = sorted({c["context"] for c in payload["cases"]})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for m in METHODS[1:]:
+        sp = [next(c for c in payload["cases"] if c["context"] == x)["methods"][m].get("speedup_vs_target")
+              for x in ctxs]
+        al = [next(c for c in payload["cases"] if c["context"] == x)["methods"][m]["mean_acceptance_length"]["median"]
+              for x in ctxs]
+        ax1.plot(ctxs, sp, marker="o", label=m)
+        ax2.plot(ctxs, al, marker="o", label=m)
+    for ax, title in ((ax1, "decode speedup vs target-only"), (ax2, "mean acceptance length")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{payload['environment']['device']} - {payload['models']['target']['path']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return str(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default=None, help="target directory (default: the demo pair)")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--prompt-source", default=None, help="text file the prompts are cut from (default: the demo "
+                                                          "prompt; with --prompt-ids-source random ids)")
+    ap.add_argument("--random-prompts", action="store_true", help="prompts of random token ids (random models)")
+    ap.add_argument("--contexts", default="2048,8192,16384")
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--interval", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tie-tolerance", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/paired.json")
+    args = ap.parse_args(argv)
+    import diffspec_jax as dj
+    from diffspec_jax import demo
+
+    tdir = Path(args.target) if args.target else demo.target_dir()
+    ddir = Path(args.draft) if args.draft else (demo.draft_dir() if not args.target else None)
+    if ddir is None:
+        raise SystemExit("--draft is required with --target")
+    target = dj.load_target(tdir, dtype=args.dtype)
+    draft = dj.load_draft(ddir, target)
+    target_f32 = dj.load_target(tdir, dtype="float32") if args.tie_tolerance is not None else None
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.random_prompts:
+        source = np.random.default_rng(args.seed).integers(0, target.config.vocab_size, max(contexts) * 4)
+        input_desc = {"kind": "random token ids", "seed": args.seed}
+    else:
+        from transformers import AutoTokenizer
+
+        text = Path(args.prompt_source).read_text() if args.prompt_source else demo.prompt_text()
+        tok = AutoTokenizer.from_pretrained(tdir)
+        source = np.asarray(tok(text)["input_ids"])
+        if len(source) < max(contexts):  # repeat the held-out text to reach the longest context
+            source = np.tile(source, -(-max(contexts) // len(source)))
+        input_desc = {"kind": "windows of held-out text", "source": args.prompt_source or "demo prompt",
+                      "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": int(len(source))}
+    args.cache_len = max(contexts) + args.new_tokens + args.k + 1
+    payload = {"benchmark": "paired speculative decoding", "environment": environment(sys.argv),
+               "settings": vars(args),
+               "models": {"target": {"path": str(tdir), "config": target.config.to_hf_dict(), "files": file_hashes(tdir)},
+                          "draft": {"path": str(ddir), "config": draft.config.to_hf_dict(), "files": file_hashes(ddir)}},
+               "inputs": input_desc, "cases": [], "equality": "strict" if args.tie_tolerance is None else
+               f"near-ties within {args.tie_tolerance} allowed"}
+    failed = False
+    for ctx in contexts:
+        prompts = build_prompts(source, ctx, args.prompts, args.seed + ctx)
+        case = {"context": ctx, "prompt_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
+                "methods": {}, "mismatches": {}}
+        for m in METHODS:  # warm-up: compile every method once
+            run_method(m, target, draft, prompts, args)
+        rows = {m: [] for m in METHODS}
+        outputs = {}
+        for r in range(args.repeats):
+            order = METHODS if r % 2 == 0 else METHODS[::-1]
+            for m in order:
+                tokens, row = run_method(m, target, draft, prompts, args)
+                rows[m].append(row)
+                outputs[m] = tokens
+        for m in METHODS:
+            case["methods"][m] = summarise(rows[m])
+            if m != "target":
+                problems = check_equal(outputs["target"], outputs[m], target_f32, prompts, args.tie_tolerance)
+                if problems:
+                    case["mismatches"][m] = problems
+                    if args.tie_tolerance is None or not all(p["near_tie"] for p in problems):
+                        failed = True
+                base = case["methods"]["target"]["decode_tokens_per_s"]["median"]
+                case["methods"][m]["speedup_vs_target"] = case["methods"][m]["decode_tokens_per_s"]["median"] / base
+        payload["cases"].append(case)
+        print(json.dumps({"context": ctx, **{m: {k: case["methods"][m].get(k) for k in ("speedup_vs_target",)}
+                                              | {"acceptance": (case["methods"][m].get("mean_acceptance_length")
+                                                                or {}).get("median")}
+                                              for m in METHODS[1:]}, "mismatches": list(case["mismatches"])}),
+              flush=True)
+    payload["passed_equality"] = not failed
+    out = Path(args.out)
+    payload["figure"] = plot(payload, out.with_suffix(".png"))
+    write_json(out, payload)
+    print(f"wrote {out}" + (f" and {payload['figure']}" if payload["figure"] else ""))
+    if failed:
+        print("FAILED: a method's greedy output differs from target-only decoding", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

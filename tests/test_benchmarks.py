@@ -1,0 +1,88 @@
+"""CPU smoke runs of the benchmark scripts (tiny models; their timings mean nothing here)."""
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    from checkpoints_tools.make_tiny import make_tiny, make_tiny_draft, tiny_config
+
+    root = tmp_path_factory.mktemp("bench")
+    return make_tiny(root / "t", "llama", seed=4), make_tiny_draft(root / "d", tiny_config("llama"), seed=5,
+                                                                  draft_vocab_size=128)
+
+
+def paired_args(pair, out):
+    return ["--target", str(pair[0]), "--draft", str(pair[1]), "--random-prompts", "--contexts", "64,160",
+            "--prompts", "2", "--new-tokens", "8", "--repeats", "3", "--dtype", "float32", "--budget", "48",
+            "--chunk", "8", "--k", "3", "--interval", "2", "--out", str(out)]
+
+
+def test_paired_smoke_schema_and_equality(tiny_pair, tmp_path):
+    from benchmarks import paired
+
+    out = tmp_path / "paired.json"
+    assert paired.main(paired_args(tiny_pair, out)) == 0
+    data = json.loads(out.read_text())
+    assert data["passed_equality"] is True and data["equality"] == "strict"
+    env = data["environment"]
+    assert env["git_commit"] and env["versions"]["jax"] and env["device"] and env["date"]
+    assert set(data["models"]["target"]["files"]) >= {"config.json", "model.safetensors"}
+    assert data["inputs"]["kind"] == "random token ids"
+    assert [c["context"] for c in data["cases"]] == [64, 160]
+    for case in data["cases"]:
+        assert len(case["prompt_sha256"]) == 64 and not case["mismatches"]
+        assert set(case["methods"]) == set(paired.METHODS)
+        for m, stats in case["methods"].items():
+            assert len(stats["decode_tokens_per_s"]["values"]) == 3 and stats["ttft_s"]["median"] > 0
+            if m != "target":
+                assert stats["speedup_vs_target"] > 0 and stats["mean_acceptance_length"]["median"] >= 1
+        assert case["methods"]["diffspec"]["retrievals"] >= 1  # 160-token prompts exceed the history budget
+
+
+def test_paired_fails_on_a_mismatch(tiny_pair, tmp_path, monkeypatch):
+    """A method whose greedy output differs from target-only decoding fails the run."""
+    from benchmarks import paired
+
+    real = paired.run_method
+
+    def broken(method, *args):
+        tokens, row = real(method, *args)
+        if method == "diffspec":
+            tokens = [t[:3] + [(t[3] + 1) % 256] + t[4:] for t in tokens]
+        return tokens, row
+
+    monkeypatch.setattr(paired, "run_method", broken)
+    out = tmp_path / "paired.json"
+    assert paired.main(paired_args(tiny_pair, out)) == 1
+    data = json.loads(out.read_text())
+    assert data["passed_equality"] is False
+    assert data["cases"][0]["mismatches"]["diffspec"][0]["first_divergence"] == 3
+
+
+def test_kernel_benchmark_quick(tmp_path):
+    from benchmarks import kernels
+
+    out = tmp_path / "k.json"
+    assert kernels.main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {r["kernel"] for r in data["results"]} == {"gather_rope_write", "chunk_scores", "draft_attention"}
+    assert all(r["rel_err_vs_reference"] < 1e-2 for r in data["results"]) and data["copy_bandwidth"]["bytes_per_s"] > 0
+
+
+def test_long_context_anatomy_quick(tmp_path):
+    from benchmarks import long_context
+
+    out = tmp_path / "lc.json"
+    assert long_context.main(["--quick", "--contexts", "256", "--batches", "1", "--repeats", "1", "--out",
+                              str(out)]) == 0
+    data = json.loads(out.read_text())
+    case = data["cases"][0]
+    for key in ("target_decode_step_s", "target_verify_step_s", "draft_propose_full_s", "draft_propose_diffspec_s",
+                "cycle_full_s", "cycle_diffspec_s", "chunk_scores_s", "selection_s", "gather_rope_write_s",
+                "retrieve_s", "hbm_floor_s"):
+        assert case[key] > 0, key
+    assert set(case["projected_speedup"]) == {"1.5", "2.0", "3.0", "4.0"}
+    assert "random" in data["weights"]
