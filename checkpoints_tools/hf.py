@@ -2,13 +2,21 @@
 
 Reads ``model.safetensors`` or a sharded ``model.safetensors.index.json`` (its ``weight_map`` names the shard
 of every tensor), checks every tensor's shape against the config, converts PyTorch ``[out, in]`` linears to
-JAX ``[in, out]`` with explicit head axes (layout in :mod:`diffspec_jax.models.llama`), and writes the inverse.
-Tensors are read one at a time, so peak host memory is about one tensor above the params themselves.
+JAX ``[in, out]`` with explicit head axes (layouts in :mod:`diffspec_jax.models.llama` and
+:mod:`diffspec_jax.models.qwen35`), and writes the inverse. Tensors are read one at a time, so peak host memory
+is about one tensor above the params themselves.
+
+Qwen3.5-MoE checkpoints: the decoder sits under ``model.language_model.`` (``Qwen3_5MoeForConditionalGeneration``;
+``model.visual.*`` and ``mtp.*`` are ignored) or ``model.`` (``Qwen3_5MoeForCausalLM``), detected from the keys;
+experts are read in either on-disk layout: fused ``mlp.experts.gate_up_proj`` ``[E, 2I, H]`` (gate rows first) and
+``mlp.experts.down_proj`` ``[E, H, I]`` without a ``.weight`` suffix, or per expert
+``mlp.experts.{j}.{gate,up,down}_proj.weight`` (:class:`FusedExpertsView` presents the latter as the former).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -115,7 +123,8 @@ class TensorMap:
     """How one HF tensor maps onto one params leaf.
 
     Attributes:
-        path: location in the params pytree, e.g. ``("layers", 3, "wq")``.
+        path: location in the params pytree, e.g. ``("layers", 3, "wq")`` (a tuple of locations when ``split``: one
+            HF tensor feeding several leaves, e.g. Qwen3.5's ``q_proj`` -> query and gate).
         hf_shape: shape on disk.
         to_jax, to_hf: NumPy transforms between the disk layout and the params layout.
     """
@@ -124,6 +133,7 @@ class TensorMap:
     hf_shape: tuple[int, ...]
     to_jax: Callable[[np.ndarray], np.ndarray]
     to_hf: Callable[[np.ndarray], np.ndarray]
+    split: bool = False  # path is a tuple of leaf paths; to_jax returns (and to_hf takes) one array per leaf
 
 
 def copy_map(path, shape) -> TensorMap:
@@ -215,12 +225,16 @@ def read_tensors(reader: WeightReader, maps: dict[str, TensorMap], dtype, *,
         if shape != m.hf_shape:
             raise CheckpointError(f"{reader.path}: tensor {key!r} has shape {list(shape)}, but config.json implies "
                                   f"{list(m.hf_shape)}")
-        _set_path(params, m.path, jnp.asarray(m.to_jax(reader.get(key)), dtype=dtype))
+        value = m.to_jax(reader.get(key))
+        for p, arr in (zip(m.path, value) if m.split else ((m.path, value),)):
+            _set_path(params, p, jnp.asarray(arr, dtype=dtype))
     return params
 
 
 def load_hf_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
-    """Params pytree of a Llama / Qwen3 HF checkpoint directory, shapes checked against ``config``."""
+    """Params pytree of a Llama / Qwen3 / Qwen3.5-MoE HF checkpoint directory, shapes checked against ``config``."""
+    if config.is_hybrid:
+        return load_qwen35_params(path, config, dtype)
     with WeightReader(path) as reader:
         tied = config.tie_word_embeddings
         return read_tensors(reader, llama_tensor_maps(config), dtype,
@@ -230,10 +244,13 @@ def load_hf_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) ->
 def export_tensors(params: dict, maps: dict[str, TensorMap], dtype=None) -> dict[str, np.ndarray]:
     """The inverse of :func:`read_tensors`: HF key -> NumPy array in the disk layout."""
     out = {}
+
+    def leaf(p):
+        arr = np.asarray(jax.device_get(_get_path(params, p)))
+        return arr.astype(dtype) if dtype is not None else arr
+
     for key, m in maps.items():
-        arr = np.asarray(jax.device_get(_get_path(params, m.path)))
-        if dtype is not None:
-            arr = arr.astype(dtype)
+        arr = tuple(leaf(p) for p in m.path) if m.split else leaf(m.path)
         out[key] = np.ascontiguousarray(m.to_hf(arr))
     return out
 
@@ -268,17 +285,220 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], *, max_s
 
 
 def save_hf(path: str | Path, config: ModelConfig, params: dict, *, dtype: str | None = None,
-            max_shard_bytes: int | None = None) -> Path:
-    """Write a Hugging Face directory (``config.json`` + safetensors) that ``transformers`` loads as is."""
+            max_shard_bytes: int | None = None, expert_layout: str = "fused") -> Path:
+    """Write a Hugging Face directory (``config.json`` + safetensors) that ``transformers`` loads as is.
+
+    ``expert_layout`` (Qwen3.5-MoE only): ``"fused"`` (``experts.gate_up_proj`` / ``experts.down_proj``, the
+    official layout) or ``"per_expert"`` (``experts.{j}.{gate,up,down}_proj.weight``, what ``save_pretrained``
+    writes). A ``Qwen3_5MoeForConditionalGeneration`` is written with its text part only (no vision tower).
+    """
     path = Path(path)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, None: None}[dtype]
-    write_safetensors(path, export_tensors(params, llama_tensor_maps(config), np_dtype),
-                      max_shard_bytes=max_shard_bytes)
+    if config.is_hybrid:
+        tensors = export_tensors(params, qwen35_tensor_maps(config), np_dtype)
+        if expert_layout == "per_expert":
+            tensors = split_experts(tensors)
+        elif expert_layout != "fused":
+            raise ValueError(f"expert_layout must be 'fused' or 'per_expert', got {expert_layout!r}")
+    else:
+        tensors = export_tensors(params, llama_tensor_maps(config), np_dtype)
+    write_safetensors(path, tensors, max_shard_bytes=max_shard_bytes)
     cfg = config.to_hf_dict()
     if dtype:
         cfg["dtype"] = dtype
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return path
+
+
+# --------------------------------------------------------------------------------------------- Qwen3.5-MoE
+def _split_map(paths, hf_shape, to_jax, to_hf) -> TensorMap:
+    return TensorMap(tuple(paths), tuple(hf_shape), to_jax, to_hf, split=True)
+
+
+def qwen35_tensor_maps(config: ModelConfig, prefix: str | None = None) -> dict[str, TensorMap]:
+    """HF key -> :class:`TensorMap` for Qwen3.5-MoE in the fused expert layout (layout in
+    :mod:`diffspec_jax.models.qwen35`; ``prefix`` defaults to the architecture's decoder prefix)."""
+    prefix = config.weight_prefix if prefix is None else prefix
+    h, d, v = config.hidden_size, config.head_dim, config.vocab_size
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv, w = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
+    kd, vd = hk * dk, hv * dv
+    e, i, s = config.num_experts, config.intermediate_size, config.shared_expert_intermediate_size
+    maps = {f"{prefix}embed_tokens.weight": copy_map(("embed",), (v, h)),
+            f"{prefix}norm.weight": copy_map(("final_norm",), (h,))}
+    if not config.tie_word_embeddings:
+        maps["lm_head.weight"] = linear_map(("lm_head",), v, h)
+
+    def split_channels(a: np.ndarray, lead: int):  # [lead, 2kd + vd] -> q [lead, hk, dk], k, v [lead, hv, dv]
+        return (a[:, :kd].reshape(lead, hk, dk), a[:, kd:2 * kd].reshape(lead, hk, dk),
+                a[:, 2 * kd:].reshape(lead, hv, dv))
+
+    def join_channels(parts, lead: int):
+        return np.concatenate([x.reshape(lead, -1) for x in parts], axis=1)
+
+    for n in range(config.num_hidden_layers):
+        p, lay = f"{prefix}layers.{n}.", ("layers", n)
+        maps[f"{p}input_layernorm.weight"] = copy_map(lay + ("attn_norm",), (h,))
+        maps[f"{p}post_attention_layernorm.weight"] = copy_map(lay + ("mlp_norm",), (h,))
+        if config.layer_type(n) == "full_attention":
+            a = f"{p}self_attn."
+            maps[f"{a}q_proj.weight"] = _split_map(  # per-head interleaved [query | gate] of 2 * head_dim rows
+                (lay + ("wq",), lay + ("wg",)), (hq * 2 * d, h),
+                lambda x: tuple(np.moveaxis(x.T.reshape(h, hq, 2, d), 2, 0)),
+                lambda qg: np.stack(qg, axis=2).reshape(h, hq * 2 * d).T)
+            maps.update({
+                f"{a}k_proj.weight": linear_map(lay + ("wk",), hkv * d, h, (h, hkv, d)),
+                f"{a}v_proj.weight": linear_map(lay + ("wv",), hkv * d, h, (h, hkv, d)),
+                f"{a}o_proj.weight": linear_map(lay + ("wo",), h, hq * d, (hq, d, h)),
+                f"{a}q_norm.weight": copy_map(lay + ("q_norm",), (d,)),
+                f"{a}k_norm.weight": copy_map(lay + ("k_norm",), (d,)),
+            })
+        else:
+            a = f"{p}linear_attn."
+            maps[f"{a}in_proj_qkv.weight"] = _split_map(
+                (lay + ("lin_wq",), lay + ("lin_wk",), lay + ("lin_wv",)), (2 * kd + vd, h),
+                lambda x: split_channels(x.T, h), lambda parts: join_channels(parts, h).T)
+            maps[f"{a}conv1d.weight"] = _split_map(  # depthwise [channels, 1, W] -> taps first
+                (lay + ("conv_q",), lay + ("conv_k",), lay + ("conv_v",)), (2 * kd + vd, 1, w),
+                lambda x: split_channels(x[:, 0, :].T, w), lambda parts: join_channels(parts, w).T[:, None, :])
+            maps.update({
+                f"{a}in_proj_z.weight": linear_map(lay + ("lin_wz",), vd, h, (h, hv, dv)),
+                f"{a}in_proj_b.weight": linear_map(lay + ("lin_wb",), hv, h),
+                f"{a}in_proj_a.weight": linear_map(lay + ("lin_wa",), hv, h),
+                f"{a}dt_bias": copy_map(lay + ("dt_bias",), (hv,)),
+                f"{a}A_log": copy_map(lay + ("A_log",), (hv,)),
+                f"{a}norm.weight": copy_map(lay + ("lin_norm",), (dv,)),
+                f"{a}out_proj.weight": linear_map(lay + ("lin_wo",), h, vd, (hv, dv, h)),
+            })
+        m = f"{p}mlp."
+        maps[f"{m}experts.gate_up_proj"] = _split_map(
+            (lay + ("we_gate",), lay + ("we_up",)), (e, 2 * i, h),
+            lambda x: (x[:, :i].transpose(0, 2, 1), x[:, i:].transpose(0, 2, 1)),
+            lambda gu: np.concatenate([gu[0].transpose(0, 2, 1), gu[1].transpose(0, 2, 1)], axis=1))
+        maps[f"{m}experts.down_proj"] = TensorMap(lay + ("we_down",), (e, h, i), lambda x: x.transpose(0, 2, 1),
+                                                  lambda x: x.transpose(0, 2, 1))
+        maps.update({
+            f"{m}gate.weight": linear_map(lay + ("router",), e, h),
+            f"{m}shared_expert.gate_proj.weight": linear_map(lay + ("ws_gate",), s, h),
+            f"{m}shared_expert.up_proj.weight": linear_map(lay + ("ws_up",), s, h),
+            f"{m}shared_expert.down_proj.weight": linear_map(lay + ("ws_down",), h, s),
+            f"{m}shared_expert_gate.weight": linear_map(lay + ("shared_gate",), 1, h),
+        })
+    return maps
+
+
+_PER_EXPERT = re.compile(r"^(?P<base>.*\.mlp\.experts\.)(?P<j>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+
+
+class FusedExpertsView:
+    """A read-only facade over a :class:`WeightReader` that presents per-expert MoE tensors
+    (``<base>{j}.{gate,up,down}_proj.weight``) under ``decoder_prefix`` as the fused ``<base>gate_up_proj``
+    ``[E, 2I, H]`` (gate rows first) and ``<base>down_proj`` ``[E, H, I]``, stacked when read. Other keys (the
+    ``mtp.*`` experts among them) pass through unchanged."""
+
+    def __init__(self, reader: WeightReader, decoder_prefix: str):
+        self.reader, self.path = reader, reader.path
+        groups: dict[str, dict[str, dict[int, str]]] = {}
+        self._hidden: set[str] = set()
+        for key in reader.keys():
+            m = _PER_EXPERT.match(key)
+            if m and key.startswith(decoder_prefix):
+                groups.setdefault(m["base"], {}).setdefault(m["proj"], {})[int(m["j"])] = key
+                self._hidden.add(key)
+        self._fused: dict[str, tuple[list[str], ...]] = {}
+        for base, projs in groups.items():
+            num = max(max(js) for js in projs.values()) + 1
+            names = {}
+            for proj in ("gate", "up", "down"):
+                missing = [j for j in range(num) if j not in projs.get(proj, {})]
+                if missing:
+                    raise CheckpointError(f"{self.path}: per-expert tensors {base}{{j}}.{proj}_proj.weight are "
+                                          f"missing for experts {missing[:5]}")
+                names[proj] = [projs[proj][j] for j in range(num)]
+            self._fused[f"{base}gate_up_proj"] = (names["gate"], names["up"])
+            self._fused[f"{base}down_proj"] = (names["down"],)
+
+    @property
+    def per_expert(self) -> bool:
+        """The checkpoint stores (some) experts one by one."""
+        return bool(self._fused)
+
+    def keys(self) -> list[str]:
+        return [k for k in self.reader.keys() if k not in self._hidden] + list(self._fused)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._fused or (name in self.reader and name not in self._hidden)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._fused:
+            return self.reader.shape(name)
+        parts = self._fused[name]
+        rows = sum(self.reader.shape(p[0])[0] for p in parts)
+        return (len(parts[0]), rows) + self.reader.shape(parts[0][0])[1:]
+
+    def dtype(self, name: str) -> str:
+        return self.reader.dtype(self._fused[name][0][0] if name in self._fused else name)
+
+    def get(self, name: str) -> np.ndarray:
+        if name not in self._fused:
+            return self.reader.get(name)
+        parts = self._fused[name]  # [E, rows of part 0 | rows of part 1, H]
+        return np.stack([np.concatenate([self.reader.get(p[j]) for p in parts], axis=0)
+                         for j in range(len(parts[0]))])
+
+
+def split_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Fused expert tensors -> per-expert ``experts.{j}.{gate,up,down}_proj.weight`` (the inverse of the view)."""
+    out = {}
+    for key, arr in tensors.items():
+        if key.endswith(".mlp.experts.gate_up_proj"):
+            base, inter = key[: -len("gate_up_proj")], arr.shape[1] // 2
+            for j in range(arr.shape[0]):
+                out[f"{base}{j}.gate_proj.weight"] = np.ascontiguousarray(arr[j, :inter])
+                out[f"{base}{j}.up_proj.weight"] = np.ascontiguousarray(arr[j, inter:])
+        elif key.endswith(".mlp.experts.down_proj"):
+            base = key[: -len("down_proj")]
+            for j in range(arr.shape[0]):
+                out[f"{base}{j}.down_proj.weight"] = np.ascontiguousarray(arr[j])
+        else:
+            out[key] = arr
+    return out
+
+
+def fuse_experts(tensors: dict[str, np.ndarray], prefix: str = "model.") -> dict[str, np.ndarray]:
+    """Per-expert tensors under ``prefix`` -> the fused on-disk layout (``experts.gate_up_proj`` ``[E, 2I, H]``,
+    gate rows first, and ``experts.down_proj`` ``[E, H, I]``, no ``.weight`` suffix); other keys unchanged."""
+    groups: dict[str, dict[str, dict[int, np.ndarray]]] = {}
+    out = {}
+    for key, arr in tensors.items():
+        m = _PER_EXPERT.match(key)
+        if m and key.startswith(prefix):
+            groups.setdefault(m["base"], {}).setdefault(m["proj"], {})[int(m["j"])] = arr
+        else:
+            out[key] = arr
+    for base, projs in groups.items():
+        n = len(projs["gate"])
+        out[f"{base}gate_up_proj"] = np.stack([np.concatenate([projs["gate"][j], projs["up"][j]]) for j in range(n)])
+        out[f"{base}down_proj"] = np.stack([projs["down"][j] for j in range(n)])
+    return out
+
+
+QWEN35_IGNORED_PREFIXES = ("model.visual.", "mtp.")
+
+
+def load_qwen35_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
+    """Params of a Qwen3.5-MoE checkpoint (wrapper or causal-LM keys, fused or per-expert experts)."""
+    with WeightReader(path) as reader:
+        prefix = config.weight_prefix
+        for candidate in (prefix, "model.language_model.", "model."):  # a text-only model may carry wrapper keys
+            if f"{candidate}embed_tokens.weight" in reader:
+                prefix = candidate
+                break
+        view = FusedExpertsView(reader, prefix)
+        tied = config.tie_word_embeddings
+        return read_tensors(view, qwen35_tensor_maps(config, prefix), dtype,
+                            ignore=lambda k: k.startswith(QWEN35_IGNORED_PREFIXES) or (tied and k == "lm_head.weight"))
 
 
 def iter_weight_files(path: str | Path) -> Iterator[Path]:

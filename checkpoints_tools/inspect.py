@@ -34,9 +34,12 @@ def describe(path: str | Path) -> dict:
     cfg_file = path / "config.json"
     if cfg_file.exists():
         raw = json.loads(cfg_file.read_text())
+        if isinstance(raw.get("text_config"), dict):  # multimodal wrappers (Qwen3.5-MoE): summarise the text model
+            raw = {**raw["text_config"], **{k: raw[k] for k in ("architectures", "model_type") if k in raw}}
         info["config"] = {k: raw.get(k) for k in ("architectures", "model_type", "hidden_size", "num_hidden_layers",
                                                    "num_attention_heads", "num_key_value_heads", "vocab_size",
-                                                   "draft_vocab_size") if k in raw}
+                                                   "draft_vocab_size", "num_experts", "num_experts_per_tok")
+                          if k in raw}
     tensors = []
     if orbax_io.is_orbax_dir(path):
         import orbax.checkpoint as ocp

@@ -2,7 +2,7 @@
 
 Public API (stable):
 
-* :func:`load_target` -- a Llama-3.x / Qwen3 target from a Hugging Face or Orbax directory;
+* :func:`load_target` -- a Llama-3.x / Qwen3 / Qwen3.5-MoE (hybrid) target from a Hugging Face or Orbax directory;
 * :func:`load_draft` -- an EAGLE-3 draft (SpecForge / vLLM layout) bound to its target;
 * :func:`forward` -- full-sequence float32 logits of a loaded target;
 * :func:`generate` -- speculative (or target-only, ``draft=None``) generation, returning ``.tokens`` and ``.stats``;

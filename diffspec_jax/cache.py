@@ -5,6 +5,12 @@ Entries are written with a bounded scatter (positions ``>= S`` are dropped, neve
 read under a causal position mask, so a buffer never needs clearing: rows beyond a sequence's committed length
 hold stale values (rejected drafts, prompt padding) that are overwritten before any query can see them.
 Separate per-layer buffers let XLA update each in place when the cache is donated to ``jit``.
+
+Hybrid targets (Qwen3.5: Gated DeltaNet + gated attention) use :class:`HybridCache`: K/V buffers for the
+full-attention layers only, and for each DeltaNet layer its conv state (the last ``kernel - 1`` pre-conv inputs)
+and its recurrent state. Those states are *not* position-indexed: a token that should not count (prompt padding,
+a rejected draft) must never be absorbed into them, which is why hybrid steps take the number of valid tokens and
+verification keeps a snapshot per position (see :mod:`diffspec_jax.models.qwen35`).
 """
 
 from __future__ import annotations
@@ -45,13 +51,90 @@ class KVCache:
     def capacity(self) -> int:
         return self.k[0].shape[1]
 
+    def layer_keys(self, layer: int) -> jax.Array:
+        """The K buffer of decoder layer ``layer``."""
+        return self.k[layer]
+
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16,
                num_kv_heads: int | None = None) -> KVCache:
         """Zero-filled cache of ``round_capacity(capacity)`` positions per sequence."""
+        if config.is_hybrid:
+            raise ValueError(f"{config.architecture} is a hybrid model: create its cache with HybridCache.create or "
+                             f"diffspec_jax.cache.create_cache")
         shape = (batch, round_capacity(capacity), num_kv_heads or config.num_key_value_heads, config.head_dim)
         layers = range(config.num_hidden_layers)
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers))
+
+
+@struct.dataclass
+class HybridCache:
+    """The cache of a hybrid target (Qwen3.5): KV for full-attention layers, conv + recurrent state for DeltaNet.
+
+    Attributes:
+        k, v: one ``[B, S, Hkv_local, D]`` buffer per full-attention layer (``k[j]`` belongs to layer
+            ``full_layers[j]``), position-indexed like :class:`KVCache`.
+        conv_q, conv_k, conv_v: one ``[B, kernel - 1, heads_local, head_dim]`` buffer per DeltaNet layer (``j`` ->
+            layer ``linear_layers[j]``): the last ``kernel - 1`` pre-conv q / k / v inputs (model dtype).
+        ssm: one float32 ``[B, Hv_local, dk, dv]`` recurrent state per DeltaNet layer.
+        full_layers, linear_layers: static layer indices (part of the tree structure, not leaves).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    conv_q: tuple[jax.Array, ...]
+    conv_k: tuple[jax.Array, ...]
+    conv_v: tuple[jax.Array, ...]
+    ssm: tuple[jax.Array, ...]
+    full_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    linear_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def layer_keys(self, layer: int) -> jax.Array:
+        """The K buffer of decoder layer ``layer`` (a full-attention layer)."""
+        if layer not in self.full_layers:
+            raise ValueError(f"layer {layer} is not a full-attention layer (those are {list(self.full_layers)})")
+        return self.k[self.full_layers.index(layer)]
+
+    @classmethod
+    def create(cls, config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16, *,
+               num_kv_heads: int | None = None, num_linear_key_heads: int | None = None,
+               num_linear_value_heads: int | None = None) -> HybridCache:
+        """Zero-filled cache (zero conv and recurrent states = the state before the first token)."""
+        full, linear = config.full_attention_layers, config.linear_attention_layers
+        kv = (batch, round_capacity(capacity), num_kv_heads or config.num_key_value_heads, config.head_dim)
+        w = config.linear_conv_kernel_dim - 1
+        hk = num_linear_key_heads or config.linear_num_key_heads
+        hv = num_linear_value_heads or config.linear_num_value_heads
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        zeros = lambda shape, dt, n: tuple(jnp.zeros(shape, dt) for _ in range(n))  # noqa: E731
+        return cls(k=zeros(kv, dtype, len(full)), v=zeros(kv, dtype, len(full)),
+                   conv_q=zeros((batch, w, hk, dk), dtype, len(linear)),
+                   conv_k=zeros((batch, w, hk, dk), dtype, len(linear)),
+                   conv_v=zeros((batch, w, hv, dv), dtype, len(linear)),
+                   ssm=zeros((batch, hv, dk, dv), jnp.float32, len(linear)),
+                   full_layers=full, linear_layers=linear)
+
+
+def create_cache(config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16, *, tp: int = 1
+                 ) -> KVCache | HybridCache:
+    """The right cache for ``config`` (global shapes for a ``tp``-way tensor-parallel layout: heads that do not
+    divide by ``tp`` are repeated, as :mod:`diffspec_jax.sharding` lays out the projections)."""
+    from diffspec_jax.sharding import kv_heads_for
+
+    kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
+    if not config.is_hybrid:
+        return KVCache.create(config, batch, capacity, dtype, num_kv_heads=kv)
+    return HybridCache.create(config, batch, capacity, dtype, num_kv_heads=kv,
+                              num_linear_key_heads=kv_heads_for(config.linear_num_key_heads, tp,
+                                                                "the target's linear attention"))
 
 
 def write_rows(buf: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:

@@ -6,10 +6,11 @@
 * transformers v4 (most Hub checkpoints): top-level ``rope_theta`` + ``rope_scaling`` (key ``rope_type``, or
   ``type`` in very old files) and ``torch_dtype``.
 
-Supported targets: ``LlamaForCausalLM`` (Llama-3.x) and ``Qwen3ForCausalLM``; RoPE types ``default`` and
-``llama3``. Anything else (another architecture, RoPE type, multi-head latent attention, quantized weights,
-attention biases, sliding windows) is refused with an :class:`~diffspec_jax.errors.UnsupportedModelError`
-that names it.
+Supported targets: ``LlamaForCausalLM`` (Llama-3.x), ``Qwen3ForCausalLM`` and the Qwen3.5 hybrid MoE family
+(``Qwen3_5MoeForCausalLM``, and the text path of the multimodal wrapper ``Qwen3_5MoeForConditionalGeneration``,
+whose ``text_config`` is read); RoPE types ``default`` and ``llama3``. Anything else (another architecture, RoPE
+type, multi-head latent attention, quantized weights, attention biases, sliding windows) is refused with an
+:class:`~diffspec_jax.errors.UnsupportedModelError` that names it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from diffspec_jax.errors import ConfigError, UnsupportedModelError
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "LlamaForCausalLM": ("llama", False),
     "Qwen3ForCausalLM": ("qwen3", True),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", True),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", True),
 }
+#: the Qwen3.5 hybrid MoE architectures (Gated DeltaNet + gated attention + MoE): model family "qwen3_5_moe"
+QWEN35_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+#: layer types of the hybrid family (``layer_types`` entries)
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -120,7 +127,8 @@ class RopeConfig:
         return out
 
 
-def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta: float = 10000.0) -> RopeConfig:
+def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta: float = 10000.0,
+               default_partial: float = 1.0) -> RopeConfig:
     """Build a :class:`RopeConfig` from a config dict in either the v5 or the v4 dialect."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
@@ -135,7 +143,7 @@ def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", d.get("rope_theta"))
     theta = default_theta if theta is None else float(theta)
-    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)) or 1.0
+    partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", default_partial)) or default_partial
     kwargs: dict[str, Any] = dict(theta=theta, rope_type=rope_type, partial_rotary_factor=float(partial))
     if rope_type == "llama3":
         for key in ("factor", "low_freq_factor", "high_freq_factor"):
@@ -164,9 +172,18 @@ def _require(d: dict[str, Any], key: str, where: str) -> Any:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only target model (Llama-3.x or Qwen3), as read from ``config.json``.
+    """A decoder-only target model (Llama-3.x, Qwen3 or Qwen3.5 hybrid MoE), as read from ``config.json``.
 
     The dataclass is hashable, so it can be a static argument of ``jax.jit``.
+
+    Qwen3.5 hybrid MoE fields (zero / empty for the dense families):
+
+    * ``layer_types``: ``"full_attention"`` (gated attention with a KV cache) or ``"linear_attention"`` (Gated
+      DeltaNet with a conv + recurrent state) per layer; empty means every layer is full attention.
+    * ``linear_num_key_heads``, ``linear_num_value_heads``, ``linear_key_head_dim``, ``linear_value_head_dim``,
+      ``linear_conv_kernel_dim``: the Gated DeltaNet shapes.
+    * ``num_experts``, ``num_experts_per_tok`` (top-k), ``shared_expert_intermediate_size``; ``intermediate_size``
+      holds the per-expert ``moe_intermediate_size``.
     """
 
     architecture: str
@@ -184,6 +201,15 @@ class ModelConfig:
     dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -201,10 +227,43 @@ class ModelConfig:
         if not self.rms_norm_eps > 0:
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         self.rope.rotary_dim(self.head_dim)
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        allowed = {FULL_ATTENTION, LINEAR_ATTENTION} if self.is_hybrid else {FULL_ATTENTION}
+        bad = sorted(set(self.layer_types) - allowed)
+        if bad:
+            raise UnsupportedModelError(f"layer types {bad} are not supported for {self.architecture}")
+        if self.is_hybrid:
+            _check_positive_ints(self, ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                        "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+                                        "num_experts_per_tok", "shared_expert_intermediate_size"))
+            if not self.full_attention_layers:
+                raise ConfigError(f"{self.architecture}: at least one full_attention layer is required")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ConfigError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple of "
+                                  f"linear_num_key_heads ({self.linear_num_key_heads})")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                                  f"({self.num_experts})")
 
     @property
     def model_type(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture][0]
+
+    @property
+    def family(self) -> str:
+        """Model family: ``"llama"`` (Llama-3.x, Qwen3) or ``"qwen3_5_moe"`` (hybrid MoE); picks the model code."""
+        return "qwen3_5_moe" if self.architecture in QWEN35_ARCHITECTURES else "llama"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Qwen3.5: Gated DeltaNet and gated-attention layers, MoE MLPs."""
+        return self.architecture in QWEN35_ARCHITECTURES
+
+    @property
+    def weight_prefix(self) -> str:
+        """Key prefix of the decoder's tensors in a Hugging Face checkpoint."""
+        return "model.language_model." if self.architecture == "Qwen3_5MoeForConditionalGeneration" else "model."
 
     @property
     def qk_norm(self) -> bool:
@@ -215,14 +274,51 @@ class ModelConfig:
     def num_query_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the layers with softmax attention over the whole context (and a KV cache)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.layer_type(i) == FULL_ATTENTION)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers (conv + recurrent state instead of a KV cache)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.layer_type(i) == LINEAR_ATTENTION)
+
     @property
     def last_full_attention_layer(self) -> int:
-        """The layer whose attention covers the whole context (DiffSpec's default scoring layer)."""
-        return self.num_hidden_layers - 1
+        """The last layer whose attention covers the whole context (DiffSpec's default scoring layer)."""
+        return self.full_attention_layers[-1]
+
+    @property
+    def moe_intermediate_size(self) -> int:
+        """Per-expert intermediate size of the MoE family (stored in ``intermediate_size``)."""
+        return self.intermediate_size if self.is_hybrid else 0
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def num_parameters(self) -> int:
         h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        if self.is_hybrid:
+            hq, hkv = self.num_attention_heads, self.num_key_value_heads
+            attn = h * d * (hq * 3 + hkv * 2) + 2 * d
+            kd, vd, hv = self.linear_key_dim, self.linear_value_dim, self.linear_num_value_heads
+            conv = 2 * kd + vd
+            gdn = h * conv + conv * self.linear_conv_kernel_dim + 2 * h * vd + 2 * h * hv + 2 * hv + \
+                self.linear_value_head_dim
+            moe = h * self.num_experts + self.num_experts * 3 * h * i + 3 * h * self.shared_expert_intermediate_size + h
+            layers = sum((attn if self.layer_type(n) == FULL_ATTENTION else gdn) + moe + 2 * h
+                         for n in range(self.num_hidden_layers))
+            return v * h * (1 if self.tie_word_embeddings else 2) + h + layers
         attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
         per_layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         return v * h * (1 if self.tie_word_embeddings else 2) + h + self.num_hidden_layers * per_layer
@@ -231,24 +327,31 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Parse a Hugging Face config dict (either dialect); refuse unsupported features by name."""
-        if "text_config" in d and "hidden_size" not in d:
-            raise UnsupportedModelError(
-                f"{source}: multimodal wrapper configs (text_config) are not supported for this architecture"
-            )
         archs = d.get("architectures") or []
         if archs:
             arch = archs[0]
         else:
             by_type = {mt: a for a, (mt, _) in SUPPORTED_ARCHITECTURES.items()}
             arch = by_type.get(d.get("model_type", ""), f"<model_type {d.get('model_type')!r}>")
+        if "text_config" in d and "hidden_size" not in d and arch != "Qwen3_5MoeForConditionalGeneration":
+            raise UnsupportedModelError(
+                f"{source}: multimodal wrapper configs (text_config) are not supported for this architecture"
+            )
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{source}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        if d.get("quantization_config"):
-            method = d["quantization_config"].get("quant_method", "unknown") if isinstance(
-                d["quantization_config"], dict) else "unknown"
-            raise UnsupportedModelError(f"{source}: quantized checkpoints are not supported (quant_method {method!r})")
+        top = d
+        if arch == "Qwen3_5MoeForConditionalGeneration":  # the text path of the multimodal wrapper
+            if not isinstance(d.get("text_config"), dict):
+                raise ConfigError(f"{source}: {arch} needs a text_config")
+            d = d["text_config"]
+        for cfg in (top, d):
+            if cfg.get("quantization_config"):
+                method = cfg["quantization_config"].get("quant_method", "unknown") if isinstance(
+                    cfg["quantization_config"], dict) else "unknown"
+                raise UnsupportedModelError(f"{source}: quantized checkpoints are not supported (quant_method "
+                                            f"{method!r})")
         if any(d.get(k) for k in ("kv_lora_rank", "q_lora_rank")):
             raise UnsupportedModelError(f"{source}: multi-head latent attention (MLA) is not supported")
         act = d.get("hidden_act", "silu")
@@ -259,36 +362,43 @@ class ModelConfig:
                 raise UnsupportedModelError(f"{source}: {key}=true is not supported")
         if d.get("use_sliding_window"):
             raise UnsupportedModelError(f"{source}: sliding-window attention is not supported")
+        hybrid = arch in QWEN35_ARCHITECTURES
         layer_types = d.get("layer_types")
-        if layer_types and any(t != "full_attention" for t in layer_types):
+        allowed = {FULL_ATTENTION, LINEAR_ATTENTION} if hybrid else {FULL_ATTENTION}
+        if layer_types and any(t not in allowed for t in layer_types):
             raise UnsupportedModelError(
-                f"{source}: layer types {sorted(set(layer_types) - {'full_attention'})} are not supported"
+                f"{source}: layer types {sorted(set(layer_types) - allowed)} are not supported"
             )
         if d.get("pretraining_tp", 1) not in (1, None):
             raise UnsupportedModelError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported")
 
         hidden = int(_require(d, "hidden_size", source))
         heads = int(_require(d, "num_attention_heads", source))
-        max_pos = int(d.get("max_position_embeddings") or 8192)
-        head_dim = d.get("head_dim") or (hidden // heads)
-        eos = d.get("eos_token_id")
+        max_pos = int(d.get("max_position_embeddings") or (32768 if hybrid else 8192))
+        eos = d.get("eos_token_id", top.get("eos_token_id"))
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
-        return cls(
+        common = dict(
             architecture=arch,
             vocab_size=int(_require(d, "vocab_size", source)),
             hidden_size=hidden,
-            intermediate_size=int(_require(d, "intermediate_size", source)),
             num_hidden_layers=int(_require(d, "num_hidden_layers", source)),
             num_attention_heads=heads,
+            max_position_embeddings=max_pos,
+            dtype=d.get("dtype") or d.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype"),
+            bos_token_id=d.get("bos_token_id", top.get("bos_token_id")),
+            eos_token_ids=eos_ids,
+        )
+        if hybrid:
+            return cls(**common, **_qwen35_fields(d, top, source, max_pos))
+        head_dim = d.get("head_dim") or (hidden // heads)
+        return cls(
+            **common,
+            intermediate_size=int(_require(d, "intermediate_size", source)),
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6 if arch == "Qwen3ForCausalLM" else 1e-5)),
-            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             rope=parse_rope(d, max_pos),
-            dtype=d.get("dtype") or d.get("torch_dtype"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
         )
 
     @classmethod
@@ -308,6 +418,8 @@ class ModelConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers-v5 ``config.json`` dict that :meth:`from_dict` (and transformers) read back."""
+        if self.is_hybrid:
+            return self._qwen35_hf_dict()
         d: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -335,8 +447,82 @@ class ModelConfig:
             d["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         return d
 
+    def _qwen35_hf_dict(self) -> dict[str, Any]:
+        text: dict[str, Any] = {
+            "model_type": "qwen3_5_moe_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "rope_parameters": {**self.rope.to_hf(), "partial_rotary_factor": self.rope.partial_rotary_factor},
+            "attention_bias": False,
+            "layer_types": list(self.layer_types) or [FULL_ATTENTION] * self.num_hidden_layers,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "moe_intermediate_size": self.intermediate_size,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+        }
+        if self.dtype:
+            text["dtype"] = self.dtype
+        if self.bos_token_id is not None:
+            text["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            text["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
+        if self.architecture == "Qwen3_5MoeForCausalLM":
+            return {"architectures": [self.architecture], **text}
+        out: dict[str, Any] = {"architectures": [self.architecture], "model_type": "qwen3_5_moe", "text_config": text,
+                               "tie_word_embeddings": self.tie_word_embeddings}
+        if self.dtype:
+            out["dtype"] = self.dtype
+        return out
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _qwen35_fields(d: dict[str, Any], top: dict[str, Any], source: str, max_pos: int) -> dict[str, Any]:
+    """The Qwen3.5-MoE specific fields of a (text) config dict. Missing keys take the defaults of transformers'
+    ``Qwen3_5MoeTextConfig``, as transformers itself would (so parity holds for any file it reads)."""
+    if d.get("attn_output_gate") is False:
+        raise UnsupportedModelError(f"{source}: attn_output_gate=false is not supported (Qwen3.5 gates attention)")
+    if d.get("mlp_only_layers"):
+        raise UnsupportedModelError(f"{source}: mlp_only_layers (dense MLP layers) are not supported")
+    if d.get("decoder_sparse_step", 1) not in (1, None):
+        raise UnsupportedModelError(f"{source}: decoder_sparse_step={d['decoder_sparse_step']} is not supported")
+    n = int(_require(d, "num_hidden_layers", source))
+    layer_types = d.get("layer_types")
+    if not layer_types:
+        interval = int(d.get("full_attention_interval") or 4)
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n)]
+    tie = top.get("tie_word_embeddings", d.get("tie_word_embeddings", False))
+    return dict(
+        intermediate_size=int(d.get("moe_intermediate_size") or 512),
+        num_key_value_heads=int(d.get("num_key_value_heads") or 2),
+        head_dim=int(d.get("head_dim") or 256),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(tie),
+        rope=parse_rope(d, max_pos, default_partial=0.25),
+        layer_types=tuple(str(t) for t in layer_types),
+        linear_num_key_heads=int(d.get("linear_num_key_heads") or 16),
+        linear_num_value_heads=int(d.get("linear_num_value_heads") or 32),
+        linear_key_head_dim=int(d.get("linear_key_head_dim") or 128),
+        linear_value_head_dim=int(d.get("linear_value_head_dim") or 128),
+        linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim") or 4),
+        num_experts=int(d.get("num_experts") or 256),
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 8),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 512),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- draft
@@ -590,4 +776,8 @@ class SpecConfig:
         if layer >= target.num_hidden_layers:
             raise ConfigError(f"diffspec_scoring_layer {layer} is out of range for a target with "
                               f"{target.num_hidden_layers} layers")
+        if target.layer_type(layer) != FULL_ATTENTION:
+            raise ConfigError(f"diffspec_scoring_layer {layer} is a {target.layer_type(layer)} layer; chunk scores "
+                              f"need softmax attention over the whole context: use a full_attention layer "
+                              f"{list(target.full_attention_layers)} (default: the last one)")
         return int(layer)

@@ -11,7 +11,9 @@ Data path of one chain cycle (``_spec_cycle``, one jitted function, state donate
    returning logits, aux features and (DiffSpec) the scoring layer's queries and LSE.
 4. **Accept.** Greedy or rejection sampling gives ``m`` accepted drafts and the bonus; ``length += m + 1``; the
    m + 1 verified entries become the next cycle's pending entries; the committed row's query and LSE are kept
-   for retrieval.
+   for retrieval. Hybrid targets (Qwen3.5) verify with per-position state snapshots and the family's ``commit``
+   rolls their DeltaNet conv / recurrent states back to the state after the last accepted token (KV needs no
+   rollback: rows beyond the committed length are masked and overwritten).
 
 The host decides the retrieval cadence per sequence (``_RetrievalControl``) and calls the jitted ``_retrieve``
 on due cycles only; everything on the device has static shapes, so nothing recompiles between cycles.
@@ -35,10 +37,10 @@ from jax.sharding import PartitionSpec as P
 
 from diffspec_jax import retrieval, sharding, verification, working_cache
 from pallas_kernels import dispatch
-from diffspec_jax.cache import KVCache, round_capacity
+from diffspec_jax.cache import HybridCache, KVCache, create_cache, round_capacity
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.errors import ConfigError, InputError
-from diffspec_jax.models import eagle3, llama
+from diffspec_jax.models import eagle3, family
 from diffspec_jax.retrieval_control import RetrievalControl
 from diffspec_jax.sampling import choose, processed_logprobs
 from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
@@ -50,7 +52,7 @@ class DecodeState:
     """Everything that changes per cycle (batch-first arrays; ``rng`` is the only unbatched leaf).
 
     Attributes:
-        target_cache: the target :class:`KVCache`.
+        target_cache: the target :class:`KVCache` (:class:`HybridCache` for hybrid targets).
         draft_cache: the draft's :class:`DraftCache` (``None`` without a draft).
         retrieval: :class:`retrieval.RetrievalState` (``diffspec`` policy only).
         length: int32 ``[B]`` committed target length: positions ``0..length-1`` are valid in the target cache.
@@ -62,7 +64,7 @@ class DecodeState:
         rng: the sampling key.
     """
 
-    target_cache: KVCache
+    target_cache: KVCache | HybridCache
     draft_cache: DraftCache | None
     retrieval: retrieval.RetrievalState | None
     length: jax.Array
@@ -142,7 +144,6 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) ->
     tc, dc = plan.target, plan.draft
     feat = len(plan.aux_layers) * tc.hidden_size if dc is not None else 1
     k1 = plan.k + 1
-    kv_t = sharding.kv_heads_for(tc.num_key_value_heads, plan.tp, "the target")
     kv_d = sharding.kv_heads_for(dc.num_key_value_heads, plan.draft_tp, "the draft") if dc is not None else 0
     ret = None
     if plan.diffspec:
@@ -155,7 +156,7 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) ->
             chunk_sum=(jnp.zeros((batch, plan.num_chunks, kv_d, dc.head_dim), jnp.float32)
                        if retrieval.needs_summaries(plan.spec) else None))
     return DecodeState(
-        target_cache=KVCache.create(tc, batch, plan.capacity, target_dtype, num_kv_heads=kv_t),
+        target_cache=create_cache(tc, batch, plan.capacity, target_dtype, tp=plan.tp),
         draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype, num_kv_heads=kv_d)
         if dc is not None else None,
         retrieval=ret,
@@ -189,9 +190,10 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
     b, w = tokens.shape
     last = lengths - 1
     rows = jnp.clip(last - start, 0, w - 1)[:, None]
-    out, tcache = llama.step(plan.target, tparams, state.target_cache, tokens, start, rows,
-                             aux_layers=plan.aux_layers if plan.draft is not None else (),
-                             score_layer=plan.score_layer, axis_name=plan.tp_axis)
+    out, tcache = family(plan.target).step(plan.target, tparams, state.target_cache, tokens, start, rows,
+                                           aux_layers=plan.aux_layers if plan.draft is not None else (),
+                                           score_layer=plan.score_layer, axis_name=plan.tp_axis,
+                                           num_valid=jnp.clip(lengths - start, 0, w))  # padding stays out of states
     in_chunk = (last >= start) & (last < start + w)
     sel = lambda new, old: jnp.where(in_chunk.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
     acc = acc.replace(logits=sel(out.logits[:, 0], acc.logits))
@@ -308,15 +310,18 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     k1 = plan.k + 1
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     rows = jnp.broadcast_to(jnp.arange(k1, dtype=jnp.int32), block.shape)
-    out, tcache = llama.step(plan.target, tparams, state.target_cache, block, state.length, rows,
-                             aux_layers=plan.aux_layers if plan.draft is not None else (),
-                             score_layer=plan.score_layer, axis_name=plan.tp_axis)
+    fam = family(plan.target)
+    out, tcache = fam.step(plan.target, tparams, state.target_cache, block, state.length, rows,
+                           aux_layers=plan.aux_layers if plan.draft is not None else (),
+                           score_layer=plan.score_layer, axis_name=plan.tp_axis, snapshots=True)
     if plan.sampling.greedy:
         m, emitted = verification.greedy_accept(out.logits, drafts)
     else:
         m, emitted = verification.rejection_accept(k_verify, processed_logprobs(out.logits, plan.sampling),
                                                    drafts, q)
     m = jnp.where(active, m, 0)
+    # rollback: recurrent states after the m + 1 committed tokens (inactive sequences: before the step)
+    tcache = fam.commit(plan.target, tcache, out, jnp.where(active, m + 1, 0))
     bonus = _rows(emitted, m)
     col = jnp.arange(k1)[None, :]
     pend_tokens = jnp.where(col == m[:, None], bonus[:, None],
@@ -339,8 +344,9 @@ def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     """Autoregressive baseline: one target step on ``last_token``; same cache machinery."""
     rng, key = _split(plan, state.rng)
     rows = jnp.zeros((state.length.shape[0], 1), jnp.int32)
-    out, tcache = llama.step(plan.target, tparams, state.target_cache, state.last_token[:, None], state.length, rows,
-                             axis_name=plan.tp_axis)
+    out, tcache = family(plan.target).step(plan.target, tparams, state.target_cache, state.last_token[:, None],
+                                           state.length, rows, axis_name=plan.tp_axis,
+                                           num_valid=active.astype(jnp.int32))
     tok = choose(key, out.logits[:, 0], plan.sampling)
     zero = jnp.zeros_like(state.length)
     state = state.replace(target_cache=tcache, rng=rng, length=jnp.where(active, state.length + 1, state.length),
@@ -358,7 +364,7 @@ def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):
     c = spec.diffspec_chunk_size
     root = state.length - 1
     if spec.diffspec_scorer == "attention":  # each shard sums its query heads; one psum gives identical scores
-        k_cache = state.target_cache.k[plan.score_layer]
+        k_cache = state.target_cache.layer_keys(plan.score_layer)
         scores = dispatch.chunk_scores(ret.score_q, ret.score_lse, k_cache, root, chunk=c)
         if plan.tp_axis is not None:
             scores = jax.lax.psum(scores, plan.tp_axis)
@@ -400,9 +406,7 @@ def state_specs(plan: Plan) -> DecodeState:
     dp = sharding.DP if plan.dp > 1 else None
     tp = sharding.TP
     dtp = tp if plan.draft_tp > 1 else None
-    heads = P(dp, None, tp, None)
     dheads = P(dp, None, dtp, None)
-    n = plan.target.num_hidden_layers
     dcache = None
     if plan.draft is not None:
         store = dheads if plan.spec.uses_working_cache else None
@@ -412,7 +416,8 @@ def state_specs(plan: Plan) -> DecodeState:
         ret = retrieval.RetrievalState(anchors=P(dp, None), score_q=P(dp, tp, None), score_lse=P(dp, tp),
                                        draft_q=P(dp, dtp, None),
                                        chunk_sum=dheads if retrieval.needs_summaries(plan.spec) else None)
-    return DecodeState(target_cache=KVCache(k=(heads,) * n, v=(heads,) * n), draft_cache=dcache, retrieval=ret,
+    return DecodeState(target_cache=family(plan.target).cache_specs(plan.target, dp, tp), draft_cache=dcache,
+                       retrieval=ret,
                        length=P(dp), last_token=P(dp), pend_tokens=P(dp, None), pend_feats=P(dp, None, None),
                        pend_count=P(dp), seq_id=P(dp), rng=P())
 

@@ -20,6 +20,26 @@ axis (Megatron style):
   one-layer drafts are often faster without collectives; its working cache is then replicated too.
 * The ``dp`` axis shards the batch (independent replicas); multi-host use goes through
   ``jax.distributed.initialize`` and a mesh over all processes' devices.
+
+Qwen3.5 hybrid MoE (:func:`shard_layout_qwen35`):
+
+* Gated attention: query and gate projections column-parallel over query heads (the per-head interleaved
+  ``q_proj`` is split into the two at load time), k/v over KV heads (repeated when fewer than ``tp``), ``o`` row
+  parallel.
+* Gated DeltaNet: heads sharded. q/k projections and their conv taps over key heads, v / z / b / a, ``dt_bias``,
+  ``A_log`` over value heads (contiguous blocks keep each value head next to the key head it reads); key heads that
+  do not divide by ``tp`` are repeated like KV heads. ``out_proj`` is row-parallel. The conv and recurrent states
+  are sharded over the same heads, so the recurrence needs no communication at all.
+* Experts are **tensor-parallel**, not expert-parallel: every shard holds every expert's slice of the
+  intermediate dimension (gate/up column-, down row-parallel), like the shared expert. Under this Megatron layout
+  the activations are replicated on every shard after each ``psum``, so expert parallelism would save no
+  communication (there is no token dispatch to avoid) and would add what tensor parallelism does not have:
+  routing-dependent load imbalance (the slowest shard sets the step time; at decode a handful of tokens hit a
+  handful of experts, often on one shard) and, with static shapes, padding each shard to the worst case. Sliced
+  experts give every shard the same work for any routing, the router runs replicated (identical top-k
+  everywhere), and routed + shared experts close with one ``psum``, the same collective as a dense MLP. The cost is
+  narrower per-shard GEMMs (Qwen3.5-35B-A3B: 512 / tp columns per expert). Expert parallelism pays off when
+  activations are token-sharded (data-parallel attention + all-to-all), which this engine does not do.
 """
 
 from __future__ import annotations
@@ -69,6 +89,15 @@ def kv_heads_for(num_kv_heads: int, tp: int, what: str) -> int:
 
 def check_target(config: ModelConfig, tp: int) -> None:
     """Refuse a target whose heads or intermediate size do not split over ``tp`` shards."""
+    if config.is_hybrid:
+        for name in ("linear_num_value_heads", "shared_expert_intermediate_size"):
+            if getattr(config, name) % tp:
+                raise ConfigError(f"tensor parallelism: the target's {name} ({getattr(config, name)}) is not "
+                                  f"divisible by tp={tp}")
+        kv_heads_for(config.linear_num_key_heads, tp, "the target's linear attention")
+        if config.intermediate_size % tp:
+            raise ConfigError(f"tensor parallelism: the target's moe_intermediate_size ({config.intermediate_size}) "
+                              f"is not divisible by tp={tp}")
     if config.num_attention_heads % tp:
         raise ConfigError(f"tensor parallelism: the target's num_attention_heads ({config.num_attention_heads}) "
                           f"is not divisible by tp={tp}")
@@ -104,6 +133,8 @@ def _repeat_kv(w: jax.Array, heads: int) -> jax.Array:
 
 def shard_layout_target(config: ModelConfig, params: dict, tp: int) -> tuple[dict, dict]:
     """The target params in tensor-parallel layout (KV heads repeated, vocabulary padded) and their specs."""
+    if config.is_hybrid:
+        return shard_layout_qwen35(config, params, tp)
     check_target(config, tp)
     kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
     col, row = P(None, TP, None), P(TP, None, None)
@@ -118,6 +149,51 @@ def shard_layout_target(config: ModelConfig, params: dict, tp: int) -> tuple[dic
         out["lm_head"] = _pad_rows(params["lm_head"], 1, tp)
         spec["lm_head"] = P(None, TP)
     return out, spec
+
+
+#: per-leaf specs of the Qwen3.5 layers (leaves not named here are replicated)
+_QWEN35_SPECS = {
+    "wq": P(None, TP, None), "wg": P(None, TP, None), "wk": P(None, TP, None), "wv": P(None, TP, None),
+    "wo": P(TP, None, None),
+    "lin_wq": P(None, TP, None), "lin_wk": P(None, TP, None), "lin_wv": P(None, TP, None),
+    "conv_q": P(None, TP, None), "conv_k": P(None, TP, None), "conv_v": P(None, TP, None),
+    "lin_wz": P(None, TP, None), "lin_wb": P(None, TP), "lin_wa": P(None, TP), "dt_bias": P(TP), "A_log": P(TP),
+    "lin_wo": P(TP, None, None),
+    "we_gate": P(None, None, TP), "we_up": P(None, None, TP), "we_down": P(None, TP, None),
+    "ws_gate": P(None, TP), "ws_up": P(None, TP), "ws_down": P(TP, None),
+}
+
+
+def shard_layout_qwen35(config: ModelConfig, params: dict, tp: int) -> tuple[dict, dict]:
+    """Qwen3.5-MoE params in tensor-parallel layout (module docstring: heads sharded, experts tensor-parallel)."""
+    check_target(config, tp)
+    kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
+    lk = kv_heads_for(config.linear_num_key_heads, tp, "the target's linear attention")
+    repeat = {"wk": kv, "wv": kv, "lin_wq": lk, "lin_wk": lk, "conv_q": lk, "conv_k": lk}
+    layers, specs = [], []
+    for lp in params["layers"]:
+        layers.append({k: _repeat_kv(w, repeat[k]) if k in repeat else w for k, w in lp.items()})
+        specs.append({k: _QWEN35_SPECS.get(k, P()) for k in lp})
+    out = {"embed": _pad_rows(params["embed"], 0, tp), "final_norm": params["final_norm"], "layers": layers}
+    spec = {"embed": P(TP, None), "final_norm": P(), "layers": specs}
+    if "lm_head" in params:
+        out["lm_head"] = _pad_rows(params["lm_head"], 1, tp)
+        spec["lm_head"] = P(None, TP)
+    return out, spec
+
+
+def cache_specs(config: ModelConfig, dp: str | None, tp: str | None = TP):
+    """PartitionSpecs of the target cache of ``config`` (batch over ``dp``, heads over ``tp``)."""
+    from diffspec_jax.cache import HybridCache, KVCache
+
+    heads = P(dp, None, tp, None)
+    if not config.is_hybrid:
+        n = config.num_hidden_layers
+        return KVCache(k=(heads,) * n, v=(heads,) * n)
+    nf, nl = len(config.full_attention_layers), len(config.linear_attention_layers)
+    return HybridCache(k=(heads,) * nf, v=(heads,) * nf, conv_q=(heads,) * nl, conv_k=(heads,) * nl,
+                       conv_v=(heads,) * nl, ssm=(P(dp, tp, None, None),) * nl,
+                       full_layers=config.full_attention_layers, linear_layers=config.linear_attention_layers)
 
 
 def shard_layout_draft(config: DraftConfig, params: dict, tp: int) -> tuple[dict, dict]:

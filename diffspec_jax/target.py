@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffspec_jax.cache import KVCache
+from diffspec_jax.cache import HybridCache, KVCache
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.errors import ConfigError, InputError
-from diffspec_jax.models import llama
+from diffspec_jax.models import family, llama
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 #: default prefill chunk: long prompts are processed this many tokens at a time
@@ -43,7 +43,8 @@ def resolve_dtype(dtype: Any) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class TargetModel:
-    """A loaded target: its config and params pytree (layout in :mod:`diffspec_jax.models.llama`)."""
+    """A loaded target: its config and params pytree (layout in :mod:`diffspec_jax.models.llama`, or
+    :mod:`diffspec_jax.models.qwen35` for the Qwen3.5 hybrid MoE family)."""
 
     config: ModelConfig
     params: llama.Params
@@ -60,14 +61,18 @@ class TargetModel:
 
 
 def abstract_params(config: ModelConfig, dtype) -> llama.Params:
-    """Pytree of ``jax.ShapeDtypeStruct`` matching :func:`llama.param_shapes`."""
+    """Pytree of ``jax.ShapeDtypeStruct`` matching the family's ``param_shapes``."""
     dtype = resolve_dtype(dtype)
-    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, dtype), llama.param_shapes(config),
+    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, dtype), family(config).param_shapes(config),
                                   is_leaf=llama.is_shape)
 
 
 def load_target(path: str | Path, dtype: Any = "bfloat16") -> TargetModel:
     """Load a target from a Hugging Face directory or an Orbax checkpoint written by ``checkpoints_tools``.
+
+    Supported: ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` and the Qwen3.5 hybrid MoE family
+    (``Qwen3_5MoeForCausalLM`` keys ``model.*``; ``Qwen3_5MoeForConditionalGeneration`` keys
+    ``model.language_model.*``, its vision tower and MTP head ignored; fused or per-expert expert tensors).
 
     Args:
         path: directory with ``config.json`` and ``model.safetensors`` / ``model.safetensors.index.json``, or an
@@ -104,7 +109,7 @@ def check_token_ids(token_ids: Any, vocab_size: int, what: str = "token_ids") ->
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward_jit(config: ModelConfig, params, tokens):
-    return llama.forward(config, params, tokens)
+    return family(config).forward(config, params, tokens)
 
 
 @functools.lru_cache(maxsize=16)
@@ -114,7 +119,7 @@ def _forward_tp(config: ModelConfig, mesh, spec_key):
     from diffspec_jax import sharding
 
     specs = jax.tree_util.tree_unflatten(*spec_key)
-    fn = functools.partial(llama.forward, config, axis_name=sharding.TP)
+    fn = functools.partial(family(config).forward, config, axis_name=sharding.TP)
     return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False))
 
 
@@ -142,9 +147,32 @@ def forward(model: TargetModel, token_ids: Any, *, mesh=None) -> jax.Array:
     return _forward_tp(model.config, mesh, key)(params, jnp.asarray(ids))
 
 
-#: the cached step, jitted once per (config, shapes, aux layers, scoring layer); the cache is donated
-step_fn = jax.jit(llama.step, static_argnames=("config", "aux_layers", "score_layer", "axis_name"),
+def _step(config: ModelConfig, params, cache, tokens, start, rows, *, aux_layers: tuple[int, ...] = (),
+          score_layer: int | None = None, axis_name: str | None = None, num_valid=None, snapshots: bool = False):
+    """The family's cached step (see :mod:`diffspec_jax.models`)."""
+    return family(config).step(config, params, cache, tokens, start, rows, aux_layers=aux_layers,
+                               score_layer=score_layer, axis_name=axis_name, num_valid=num_valid,
+                               snapshots=snapshots)
+
+
+#: the cached step, jitted once per (config, shapes, aux layers, scoring layer); the cache is donated.
+#: ``num_valid`` (int32 ``[B]``, optional) = tokens per sequence that are real (hybrid models keep padding out of
+#: their recurrent state); ``snapshots`` keeps per-position states for :func:`commit`.
+step_fn = jax.jit(_step, static_argnames=("config", "aux_layers", "score_layer", "axis_name", "snapshots"),
                   donate_argnames=("cache",))
+
+
+def commit(model: TargetModel, cache, out, keep) -> Any:
+    """After a ``snapshots=True`` step: the cache holding the state after ``keep[b]`` of its tokens (rollback of
+    rejected drafts for hybrid targets; the cache itself for attention-only targets)."""
+    return family(model.config).commit(model.config, cache, out, jnp.asarray(keep, jnp.int32))
+
+
+def create_cache(model: TargetModel, batch: int, capacity: int, dtype=None) -> KVCache | HybridCache:
+    """An empty cache of the right kind for ``model`` (:class:`KVCache` or :class:`HybridCache`)."""
+    from diffspec_jax.cache import create_cache as make
+
+    return make(model.config, batch, capacity, model.dtype if dtype is None else dtype)
 
 
 def bucket(n: int, lo: int = 16, hi: int = DEFAULT_PREFILL_CHUNK) -> int:
@@ -166,8 +194,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], width: int, pad_id: int = 0) -
     return out
 
 
-def prefill(model: TargetModel, cache: KVCache, prompts: Sequence[Sequence[int]], *,
-            chunk: int = DEFAULT_PREFILL_CHUNK) -> tuple[jax.Array, KVCache]:
+def prefill(model: TargetModel, cache: KVCache | HybridCache, prompts: Sequence[Sequence[int]], *,
+            chunk: int = DEFAULT_PREFILL_CHUNK) -> tuple[jax.Array, KVCache | HybridCache]:
     """Chunked prefill of ragged prompts into a fresh cache.
 
     Args:
@@ -193,14 +221,16 @@ def prefill(model: TargetModel, cache: KVCache, prompts: Sequence[Sequence[int]]
     for c in range(n_chunks):
         start = np.full(len(prompts), c * width, np.int32)
         rows = np.clip(last - c * width, 0, width - 1).astype(np.int32)[:, None]
+        valid = np.clip(np.asarray(lengths) - c * width, 0, width).astype(np.int32)
         out, cache = step_fn(model.config, model.params, cache, jnp.asarray(tokens[:, c * width:(c + 1) * width]),
-                             jnp.asarray(start), jnp.asarray(rows))
+                             jnp.asarray(start), jnp.asarray(rows), num_valid=jnp.asarray(valid))
         in_chunk = jnp.asarray((last >= c * width) & (last < (c + 1) * width))[:, None]
         logits = out.logits[:, 0] if logits is None else jnp.where(in_chunk, out.logits[:, 0], logits)
     return logits, cache
 
 
-def decode(model: TargetModel, cache: KVCache, tokens: Any, start: Any) -> tuple[jax.Array, KVCache]:
+def decode(model: TargetModel, cache: KVCache | HybridCache, tokens: Any, start: Any
+           ) -> tuple[jax.Array, KVCache | HybridCache]:
     """One cached step of ``T`` tokens per sequence; returns float32 logits ``[B, T, V]`` and the cache."""
     tokens = jnp.asarray(tokens, jnp.int32)
     b, t = tokens.shape

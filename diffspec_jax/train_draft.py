@@ -34,7 +34,7 @@ import numpy as np
 
 from diffspec_jax.config import DraftConfig, RopeConfig
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
-from diffspec_jax.models import eagle3, llama
+from diffspec_jax.models import eagle3, family
 from diffspec_jax.target import TargetModel
 from diffspec_jax.training import OptimConfig, TokenStream, cast_floats, train_loop
 
@@ -112,7 +112,7 @@ def ttt_logits(cfg: DraftConfig, p: dict, aux: jax.Array, tokens: jax.Array, ste
 
 
 def _target_pass(tcfg, tparams, window, aux_layers, attention):
-    logits, aux = llama.forward_aux(tcfg, tparams, window, aux_layers=aux_layers, attention=attention)
+    logits, aux = family(tcfg).forward_aux(tcfg, tparams, window, aux_layers=aux_layers, attention=attention)
     return jax.lax.stop_gradient(logits), jax.lax.stop_gradient(aux)
 
 

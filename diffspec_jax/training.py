@@ -5,7 +5,7 @@
   run sees the same batches).
 * :func:`train_loop`: a jitted update step (float32 master params, bfloat16 compute by default), periodic
   logging and Orbax checkpoints of the whole training state, resumed automatically from the newest one.
-* :func:`train_target`: next-token training of a Llama-architecture target.
+* :func:`train_target`: next-token training of a Llama / Qwen3 target from scratch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from flax import struct
 
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.errors import ConfigError
-from diffspec_jax.models import llama
+from diffspec_jax.models import family
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def cast_floats(tree: Any, dtype) -> Any:
 
 def lm_loss(config: ModelConfig, params, tokens, *, attention: str = "dense", compute_dtype=jnp.bfloat16):
     """Mean next-token cross-entropy of ``tokens [B, T]`` (float32 master params cast to ``compute_dtype``)."""
-    logits = llama.forward(config, cast_floats(params, compute_dtype), tokens[:, :-1], attention=attention)
+    logits = family(config).forward(config, cast_floats(params, compute_dtype), tokens[:, :-1], attention=attention)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     loss = jnp.mean(nll)
@@ -175,9 +175,11 @@ def train_target(config: ModelConfig, stream: TokenStream, *, steps: int, batch:
 
     Returns float32 params (export with :func:`checkpoints_tools.hf.save_hf`) and the training history.
     """
+    if family(config).name != "llama":
+        raise ConfigError(f"train_target trains Llama / Qwen3 targets from scratch, not {config.architecture}")
     optim = optim or OptimConfig(total_steps=steps)
     scale = init_scale if init_scale is not None else 1.0 / math.sqrt(config.hidden_size)
-    params = llama.init_params(config, seed=seed, dtype=jnp.float32, scale=scale)
+    params = family(config).init_params(config, seed=seed, dtype=jnp.float32, scale=scale)
     params = jax.tree_util.tree_map(
         lambda p: jnp.ones_like(p) if p.ndim == 1 else p, params)  # norm weights start at 1 for training
     loss_fn = lambda p, _, toks: lm_loss(config, p, toks, attention=attention, compute_dtype=compute_dtype)  # noqa

@@ -81,12 +81,15 @@ class StepOutput:
             concatenated in the requested order, for every new token; ``None`` when no layer was requested.
         score_q: float32 ``[B, R, Hq_local, D]`` post-norm, post-RoPE queries of the scoring layer at the rows.
         score_lse: float32 ``[B, R, Hq_local]`` their log-sum-exp over every visible key (scaled logits).
+        states: hybrid models only (``snapshots=True``): the recurrent-state snapshots of every position, which
+            the family's ``commit`` selects from after acceptance; ``None`` otherwise.
     """
 
     logits: jax.Array
     aux: jax.Array | None = None
     score_q: jax.Array | None = None
     score_lse: jax.Array | None = None
+    states: Any = None
 
 
 def _lm_head(config: ModelConfig, params: Params, x: jax.Array, axis_name: str | None) -> jax.Array:
