@@ -98,22 +98,19 @@ def check_target(config: ModelConfig, tp: int) -> None:
         if config.intermediate_size % tp:
             raise ConfigError(f"tensor parallelism: the target's moe_intermediate_size ({config.intermediate_size}) "
                               f"is not divisible by tp={tp}")
-    if config.num_attention_heads % tp:
-        raise ConfigError(f"tensor parallelism: the target's num_attention_heads ({config.num_attention_heads}) "
-                          f"is not divisible by tp={tp}")
-    if config.intermediate_size % tp:
-        raise ConfigError(f"tensor parallelism: the target's intermediate_size ({config.intermediate_size}) is not "
-                          f"divisible by tp={tp}")
+    _check_heads_and_mlp(config, tp, "the target's", "tp")
     kv_heads_for(config.num_key_value_heads, tp, "the target")
 
 
+def _check_heads_and_mlp(config, tp: int, who: str, what: str) -> None:
+    for name in ("num_attention_heads", "intermediate_size"):
+        if getattr(config, name) % tp:
+            raise ConfigError(f"tensor parallelism: {who} {name} ({getattr(config, name)}) is not divisible by "
+                              f"{what}={tp}")
+
+
 def check_draft(config: DraftConfig, tp: int) -> None:
-    if config.num_attention_heads % tp:
-        raise ConfigError(f"tensor parallelism: the draft's num_attention_heads ({config.num_attention_heads}) is "
-                          f"not divisible by draft_tensor_parallel_size={tp}")
-    if config.intermediate_size % tp:
-        raise ConfigError(f"tensor parallelism: the draft's intermediate_size ({config.intermediate_size}) is not "
-                          f"divisible by draft_tensor_parallel_size={tp}")
+    _check_heads_and_mlp(config, tp, "the draft's", "draft_tensor_parallel_size")
     kv_heads_for(config.num_key_value_heads, tp, "the draft")
 
 

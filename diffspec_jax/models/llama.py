@@ -170,6 +170,16 @@ def forward_aux(config: ModelConfig, params: Params, tokens: jax.Array, *, aux_l
     return _lm_head(config, params, x, axis_name), aux_out
 
 
+def cache_attention(q, k, v, k_buf, v_buf, positions, mask, scale):
+    """Write a step's ``k, v [B, T, Hkv, D]`` into the layer's buffers at ``positions`` and attend ``q`` over them:
+    densely under ``mask`` (short steps) or tile by tile (``mask=None``: prefill chunks). Returns
+    ``((out, lse), k_buf, v_buf)``."""
+    kb, vb = write_rows(k_buf, k, positions), write_rows(v_buf, v, positions)
+    if mask is not None:
+        return attention_dense(q, kb, vb, mask, scale), kb, vb
+    return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, kb.shape[1])), kb, vb
+
+
 def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, start: jax.Array,
          rows: jax.Array, *, aux_layers: tuple[int, ...] = (), score_layer: int | None = None,
          axis_name: str | None = None) -> tuple[StepOutput, KVCache]:
@@ -192,9 +202,7 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
     positions = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
     scale = config.head_dim ** -0.5
-    capacity = cache.capacity
-    dense = t <= DENSE_ATTENTION_MAX_TOKENS
-    mask = causal_mask(positions, capacity) if dense else None
+    mask = causal_mask(positions, cache.capacity) if t <= DENSE_ATTENTION_MAX_TOKENS else None
     x = embed_lookup(params["embed"], tokens, axis_name)
     aux, new_k, new_v = [], [], []
     score_q = score_lse = None
@@ -203,12 +211,10 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
         k_buf, v_buf = cache.k[i], cache.v[i]
 
         def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
-            kb, vb = write_rows(k_buf, k, positions), write_rows(v_buf, v, positions)
+            out, kb, vb = cache_attention(q, k, v, k_buf, v_buf, positions, mask, scale)
             new_k.append(kb)
             new_v.append(vb)
-            if dense:
-                return attention_dense(q, kb, vb, mask, scale)
-            return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, capacity))
+            return out
 
         x, q, lse = _attention_block(config, lp, x, cos, sin, attend, axis_name)
         if i == score_layer:

@@ -58,12 +58,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffspec_jax.cache import ATTENTION_TILE, HybridCache, round_capacity, write_rows
+from diffspec_jax.cache import HybridCache, round_capacity
 from diffspec_jax.config import FULL_ATTENTION, ModelConfig
 from diffspec_jax.models.layers import (
-    apply_rope, attention_dense, attention_tiled, causal_mask, embed_lookup, gather_vocab, rope_cos_sin,
+    apply_rope, causal_mask, embed_lookup, gather_vocab, rope_cos_sin,
 )
-from diffspec_jax.models.llama import DENSE_ATTENTION_MAX_TOKENS, StepOutput, is_shape
+from diffspec_jax.models.llama import DENSE_ATTENTION_MAX_TOKENS, StepOutput, cache_attention, is_shape
 
 Params = dict[str, Any]
 
@@ -392,9 +392,7 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
     nv = jnp.full((b,), t, jnp.int32) if num_valid is None else jnp.asarray(num_valid, jnp.int32)
     cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
     scale = config.head_dim ** -0.5
-    capacity = cache.capacity
-    dense = t <= DENSE_ATTENTION_MAX_TOKENS
-    mask = causal_mask(positions, capacity) if dense else None
+    mask = causal_mask(positions, cache.capacity) if t <= DENSE_ATTENTION_MAX_TOKENS else None
     eps = config.rms_norm_eps
     x = embed_lookup(params["embed"], tokens, axis_name)
     aux = []
@@ -410,11 +408,9 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
             slot = cache.full_layers.index(i)
 
             def attend(q, k, v, slot=slot):
-                kb, vb = write_rows(new_k[slot], k, positions), write_rows(new_v[slot], v, positions)
-                new_k[slot], new_v[slot] = kb, vb
-                if dense:
-                    return attention_dense(q, kb, vb, mask, scale)
-                return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, capacity))
+                out, new_k[slot], new_v[slot] = cache_attention(q, k, v, new_k[slot], new_v[slot], positions, mask,
+                                                                scale)
+                return out
 
             o, q, lse = _attention_block(config, lp, h, cos, sin, attend, axis_name)
             if i == score_layer:
