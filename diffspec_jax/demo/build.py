@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from checkpoints_tools.hf import save_hf
     from diffspec_jax.target import TargetModel, load_target
 
-    save_hf(out / "target", tcfg, params, dtype="bfloat16")
+    save_hf(out / "target", tcfg, params, dtype="bfloat16", max_shard_bytes=7 << 20)  # shards < 8 MiB
     target_f32 = TargetModel(tcfg, params)
 
     from diffspec_jax.train_draft import export_draft, train_draft
