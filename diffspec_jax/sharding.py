@@ -123,6 +123,17 @@ def _pad_rows(x: jax.Array, axis: int, multiple: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
+def _with_vocab_parallel_ends(params: dict, layers: list, specs: list, tp: int) -> tuple[dict, dict]:
+    """Assemble a target's TP params and specs: vocabulary-parallel embedding / LM head (padded to a multiple of
+    ``tp``), replicated final norm, and the given per-layer params and specs."""
+    out = {"embed": _pad_rows(params["embed"], 0, tp), "final_norm": params["final_norm"], "layers": layers}
+    spec = {"embed": P(TP, None), "final_norm": P(), "layers": specs}
+    if "lm_head" in params:
+        out["lm_head"] = _pad_rows(params["lm_head"], 1, tp)
+        spec["lm_head"] = P(None, TP)
+    return out, spec
+
+
 def _repeat_kv(w: jax.Array, heads: int) -> jax.Array:
     """Repeat KV heads (axis 1 of ``[in, Hkv, D]``) up to ``heads``; each copy stays next to its original."""
     return jnp.repeat(w, heads // w.shape[1], axis=1) if heads != w.shape[1] else w
@@ -140,12 +151,7 @@ def shard_layout_target(config: ModelConfig, params: dict, tp: int) -> tuple[dic
         layers.append({**lp, "wk": _repeat_kv(lp["wk"], kv), "wv": _repeat_kv(lp["wv"], kv)})
         specs.append({k: {"wq": col, "wk": col, "wv": col, "wo": row, "w_gate": P(None, TP), "w_up": P(None, TP),
                           "w_down": P(TP, None)}.get(k, P()) for k in lp})
-    out = {"embed": _pad_rows(params["embed"], 0, tp), "final_norm": params["final_norm"], "layers": layers}
-    spec = {"embed": P(TP, None), "final_norm": P(), "layers": specs}
-    if "lm_head" in params:
-        out["lm_head"] = _pad_rows(params["lm_head"], 1, tp)
-        spec["lm_head"] = P(None, TP)
-    return out, spec
+    return _with_vocab_parallel_ends(params, layers, specs, tp)
 
 
 #: per-leaf specs of the Qwen3.5 layers (leaves not named here are replicated)
@@ -171,12 +177,7 @@ def shard_layout_qwen35(config: ModelConfig, params: dict, tp: int) -> tuple[dic
     for lp in params["layers"]:
         layers.append({k: _repeat_kv(w, repeat[k]) if k in repeat else w for k, w in lp.items()})
         specs.append({k: _QWEN35_SPECS.get(k, P()) for k in lp})
-    out = {"embed": _pad_rows(params["embed"], 0, tp), "final_norm": params["final_norm"], "layers": layers}
-    spec = {"embed": P(TP, None), "final_norm": P(), "layers": specs}
-    if "lm_head" in params:
-        out["lm_head"] = _pad_rows(params["lm_head"], 1, tp)
-        spec["lm_head"] = P(None, TP)
-    return out, spec
+    return _with_vocab_parallel_ends(params, layers, specs, tp)
 
 
 def cache_specs(config: ModelConfig, dp: str | None, tp: str | None = TP):

@@ -92,10 +92,10 @@ class StepOutput:
     states: Any = None
 
 
-def _lm_head(config: ModelConfig, params: Params, x: jax.Array, axis_name: str | None) -> jax.Array:
+def _lm_head(config: ModelConfig, params: Params, x: jax.Array, axis_name: str | None, norm=rms_norm) -> jax.Array:
     """Final norm and LM head (vocabulary-parallel under tensor parallelism: local logits, then an all-gather, so
-    every shard holds identical full logits)."""
-    x = rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    every shard holds identical full logits). ``norm`` is the family's RMSNorm."""
+    x = norm(x, params["final_norm"], config.rms_norm_eps)
     if config.tie_word_embeddings:
         logits = jnp.einsum("bth,vh->btv", x, params["embed"], preferred_element_type=jnp.float32)
     else:

@@ -61,8 +61,9 @@ from flax import struct
 from diffspec_jax.cache import HybridCache, round_capacity
 from diffspec_jax.config import FULL_ATTENTION, ModelConfig
 from diffspec_jax.models.layers import (
-    apply_rope, causal_mask, embed_lookup, gather_vocab, rope_cos_sin,
+    apply_rope, causal_mask, embed_lookup, rope_cos_sin,
 )
+from diffspec_jax.models import llama
 from diffspec_jax.models.llama import DENSE_ATTENTION_MAX_TOKENS, StepOutput, cache_attention, is_shape
 
 Params = dict[str, Any]
@@ -361,12 +362,7 @@ def _moe_block(config: ModelConfig, lp: Params, x: jax.Array, axis_name) -> jax.
 
 
 def _lm_head(config: ModelConfig, params: Params, x: jax.Array, axis_name) -> jax.Array:
-    x = rms_norm_zc(x, params["final_norm"], config.rms_norm_eps)
-    if config.tie_word_embeddings:
-        logits = jnp.einsum("bth,vh->btv", x, params["embed"], preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.einsum("bth,hv->btv", x, params["lm_head"], preferred_element_type=jnp.float32)
-    return gather_vocab(logits, config.vocab_size, axis_name)
+    return llama._lm_head(config, params, x, axis_name, norm=rms_norm_zc)
 
 
 # ----------------------------------------------------------------------------------------------- steps
