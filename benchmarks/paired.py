@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, write_json  # noqa: E402
 
 METHODS = ("target", "eagle3-full", "eagle3-recent", "diffspec")
+#: every method: ``<x>-tree`` is method x with tree drafting + tree verification (``--tree-nodes``, ``--tree-topk``)
+ALL_METHODS = METHODS + ("eagle3-full-tree", "eagle3-recent-tree", "diffspec-tree")
 POLICY = {"eagle3-full": "full", "eagle3-recent": "recent", "diffspec": "diffspec"}
 
 
@@ -65,9 +67,13 @@ def peak_memory() -> int | None:
 def run_method(method, target, draft, prompts, args):
     import diffspec_jax as dj
 
-    spec = dj.SpecConfig(num_speculative_tokens=args.k, draft_context_policy=POLICY.get(method, "full"),
+    tree = method.endswith("-tree")
+    spec = dj.SpecConfig(num_speculative_tokens=args.k,
+                         draft_context_policy=POLICY.get(method.removesuffix("-tree"), "full"),
                          diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
-                         diffspec_retrieval_interval=args.interval)
+                         diffspec_retrieval_interval=args.interval,
+                         diffspec_verification_mode="tree" if tree else "auto",
+                         diffspec_max_tree_nodes=args.tree_nodes, diffspec_tree_topk=args.tree_topk)
     t0 = time.perf_counter()
     res = dj.generate(target, None if method == "target" else draft, prompts, max_new_tokens=args.new_tokens,
                       spec=spec, stop_token_ids=(), max_cache_len=args.cache_len)
@@ -79,6 +85,7 @@ def run_method(method, target, draft, prompts, args):
         "ttft_s": s.prefill_s, "decode_tokens_per_s": s.decode_tokens_per_s, "end_to_end_tokens_per_s":
             s.new_tokens / total, "mean_acceptance_length": s.mean_acceptance_length,
         "acceptance_per_position": s.acceptance_per_position, "retrievals": ret.get("retrievals"),
+        "mean_tree_size": s.mean_tree_size, "accepted_depth_histogram": s.accepted_depth_histogram,
         "retrieval_share_of_decode": retrieval_s / s.decode_s if s.decode_s else None,
         "peak_memory_bytes": peak_memory()}
 
@@ -109,7 +116,8 @@ def summarise(rows: list[dict]) -> dict:
             med = statistics.median(vals)
             cv = statistics.pstdev(vals) / statistics.mean(vals) if len(vals) > 1 and statistics.mean(vals) else 0.0
             out[key] = {"median": med, "cv": cv, "values": vals}
-    out["acceptance_per_position"] = rows[-1]["acceptance_per_position"]
+    for key in ("acceptance_per_position", "mean_tree_size", "accepted_depth_histogram"):
+        out[key] = rows[-1][key]
     out["retrievals"] = rows[-1]["retrievals"]
     return out
 
@@ -124,7 +132,7 @@ def plot(payload: dict, path: Path) -> str | None:
         return None
     ctxs = sorted({c["context"] for c in payload["cases"]})
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for m in METHODS[1:]:
+    for m in payload["settings"]["methods"][1:]:
         sp = [next(c for c in payload["cases"] if c["context"] == x)["methods"][m].get("speedup_vs_target")
               for x in ctxs]
         al = [next(c for c in payload["cases"] if c["context"] == x)["methods"][m]["mean_acceptance_length"]["median"]
@@ -155,6 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated, 'target' first; any of {', '.join(ALL_METHODS)}")
+    ap.add_argument("--tree-nodes", type=int, default=50, help="tree methods: nodes per verification")
+    ap.add_argument("--tree-topk", type=int, default=8, help="tree methods: frontier width")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--interval", type=int, default=4)
@@ -163,6 +175,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/paired.json")
     args = ap.parse_args(argv)
+    methods = args.methods.split(",")
+    if methods[0] != "target" or any(m not in ALL_METHODS for m in methods):
+        raise SystemExit(f"--methods must start with 'target' and use only {', '.join(ALL_METHODS)}")
+    args.methods = methods
     import diffspec_jax as dj
     from diffspec_jax import demo
 
@@ -187,7 +203,8 @@ def main(argv=None) -> int:
             source = np.tile(source, -(-max(contexts) // len(source)))
         input_desc = {"kind": "windows of held-out text", "source": args.prompt_source or "demo prompt",
                       "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": int(len(source))}
-    args.cache_len = max(contexts) + args.new_tokens + args.k + 1
+    block = max(args.k, args.tree_nodes if any(m.endswith("-tree") for m in methods) else 0)
+    args.cache_len = max(contexts) + args.new_tokens + block + 1
     payload = {"benchmark": "paired speculative decoding", "environment": environment(sys.argv),
                "settings": vars(args),
                "models": {"target": {"path": str(tdir), "config": target.config.to_hf_dict(), "files": file_hashes(tdir)},
@@ -199,17 +216,17 @@ def main(argv=None) -> int:
         prompts = build_prompts(source, ctx, args.prompts, args.seed + ctx)
         case = {"context": ctx, "prompt_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
                 "methods": {}, "mismatches": {}}
-        for m in METHODS:  # warm-up: compile every method once
+        for m in methods:  # warm-up: compile every method once
             run_method(m, target, draft, prompts, args)
-        rows = {m: [] for m in METHODS}
+        rows = {m: [] for m in methods}
         outputs = {}
         for r in range(args.repeats):
-            order = METHODS if r % 2 == 0 else METHODS[::-1]
+            order = methods if r % 2 == 0 else methods[::-1]
             for m in order:
                 tokens, row = run_method(m, target, draft, prompts, args)
                 rows[m].append(row)
                 outputs[m] = tokens
-        for m in METHODS:
+        for m in methods:
             case["methods"][m] = summarise(rows[m])
             if m != "target":
                 problems = check_equal(outputs["target"], outputs[m], target_f32, prompts, args.tie_tolerance)
@@ -223,7 +240,7 @@ def main(argv=None) -> int:
         print(json.dumps({"context": ctx, **{m: {k: case["methods"][m].get(k) for k in ("speedup_vs_target",)}
                                               | {"acceptance": (case["methods"][m].get("mean_acceptance_length")
                                                                 or {}).get("median")}
-                                              for m in METHODS[1:]}, "mismatches": list(case["mismatches"])}),
+                                              for m in methods[1:]}, "mismatches": list(case["mismatches"])}),
               flush=True)
     payload["passed_equality"] = not failed
     out = Path(args.out)

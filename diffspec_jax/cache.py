@@ -141,3 +141,20 @@ def write_rows(buf: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Arr
     """Scatter ``rows [B, T, ...]`` into ``buf [B, S, ...]`` at ``positions [B, T]``; out-of-range rows are dropped."""
     bidx = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], positions.shape)
     return buf.at[bidx, positions].set(rows.astype(buf.dtype), mode="drop")
+
+
+def move_rows(cache: KVCache, start: jax.Array, src: jax.Array) -> KVCache:
+    """Copy rows ``start + src[:, i]`` to ``start + i`` in every layer (the accepted path of a verified tree).
+
+    Args:
+        start: int32 ``[B]`` first row of the block (the committed length before verification).
+        src: int32 ``[B, R]`` block-relative source rows, ``src[:, i] >= i``; columns past a sequence's accepted
+            path may hold anything (they land beyond the new committed length, where rows are stale by design).
+    """
+    dst = start[:, None] + jnp.arange(src.shape[1], dtype=jnp.int32)[None, :]
+    idx = (start[:, None] + src)[:, :, None, None]
+
+    def move(buf):
+        return write_rows(buf, jnp.take_along_axis(buf, jnp.minimum(idx, buf.shape[1] - 1), axis=1), dst)
+
+    return cache.replace(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))

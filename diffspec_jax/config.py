@@ -684,6 +684,7 @@ class SamplingConfig:
 DRAFT_CONTEXT_POLICIES = ("full", "recent", "diffspec")
 DIFFSPEC_SCORERS = ("attention", "salience")
 DRAFT_SAMPLING = ("argmax", "sample")
+VERIFICATION_MODES = ("auto", "linear", "tree")
 
 
 @dataclass(frozen=True)
@@ -704,7 +705,24 @@ class SpecConfig:
         diffspec_retrieval_interval: N, verification cycles between retrievals [4].
         diffspec_keep_sink_chunk: always keep chunk 0 [False].
         diffspec_retrieve_after_prefill: retrieve once right after prefill [True].
-        diffspec_adaptive_profile: adapt the retrieval interval (double up to 32 on stable selections) [False].
+        diffspec_adaptive_profile: adapt per sequence [False]: the retrieval interval (double up to 32 on stable
+            selections), the chain depth (chain mode: ``diffspec_long_context_*``, +1 after 4 well-accepted cycles,
+            -1 after 3 poor ones) and the tree node budget (tree mode: grows from ``round4(max_nodes / 1.5)`` to
+            ``diffspec_max_tree_nodes`` with observed pressure, never shrinks).
+        diffspec_long_context_threshold: committed length from which the adaptive chain depth starts at (and never
+            goes below) ``diffspec_long_context_depth`` [49152].
+        diffspec_long_context_depth: that depth; 1 <= it <= K when the adaptive chain depth is on [2].
+        diffspec_verification_mode: ``"auto"`` / ``"linear"`` = chain drafting; ``"tree"`` = tree drafting with
+            tree verification [``"auto"``]. Trees work with every draft context policy and with sampling; the
+            target family must support them (not Qwen3.5's hybrid layers).
+        diffspec_max_tree_nodes: tree nodes verified per cycle besides the root (the static verify block is
+            ``max_tree_nodes + 1`` tokens; tree depth = K) [50]; K <= it <= 255.
+        diffspec_tree_topk: frontier width and children per node (EAGLE's ``top_k``) [8]; <= max_tree_nodes.
+        diffspec_tree_threshold: stop expanding deeper levels once a level adds less than this draft probability
+            mass to the best-``budget`` node set [0.0 = always expand to depth K].
+        diffspec_tree_branching: children per node at each depth: ``"hazard"`` (learned from where verification
+            stops), or the static ``"full"``, ``"chain"``, ``"shallow"``, ``"deep"``, ``"uniform<N>"``
+            [``"hazard"``]; see :mod:`diffspec_jax.adaptive`.
         diffspec_scorer: ``"attention"`` (exact target attention probabilities) or ``"salience"`` (chunk key
             summaries scored against the draft's query, no target query needed) [``"attention"``].
         diffspec_redundancy_weight: discount a chunk by its similarity to chunks already selected [0.0].
@@ -721,6 +739,13 @@ class SpecConfig:
     diffspec_keep_sink_chunk: bool = False
     diffspec_retrieve_after_prefill: bool = True
     diffspec_adaptive_profile: bool = False
+    diffspec_long_context_threshold: int = 49152
+    diffspec_long_context_depth: int = 2
+    diffspec_verification_mode: str = "auto"
+    diffspec_max_tree_nodes: int = 50
+    diffspec_tree_topk: int = 8
+    diffspec_tree_threshold: float = 0.0
+    diffspec_tree_branching: str = "hazard"
     diffspec_scorer: str = "attention"
     diffspec_redundancy_weight: float = 0.0
     diffspec_scoring_layer: int | None = None
@@ -730,8 +755,36 @@ class SpecConfig:
         if self.draft_tensor_parallel_size is not None:
             _check_positive_ints(self, ("draft_tensor_parallel_size",))
         _check_positive_ints(self, ("num_speculative_tokens", "diffspec_chunk_size", "diffspec_token_budget",
-                                    "diffspec_retrieval_interval"))
+                                    "diffspec_retrieval_interval", "diffspec_long_context_threshold",
+                                    "diffspec_long_context_depth", "diffspec_max_tree_nodes", "diffspec_tree_topk"))
         k = self.num_speculative_tokens
+        if self.diffspec_adaptive_profile and self.diffspec_verification_mode != "tree" and \
+                self.diffspec_long_context_depth > k:
+            raise ConfigError(f"diffspec_long_context_depth ({self.diffspec_long_context_depth}) must be <= "
+                              f"num_speculative_tokens ({k})")
+        if self.diffspec_verification_mode not in VERIFICATION_MODES:
+            raise ConfigError(f"diffspec_verification_mode must be one of {VERIFICATION_MODES}, got "
+                              f"{self.diffspec_verification_mode!r}")
+        if not (isinstance(self.diffspec_tree_threshold, (int, float)) and 0 <= self.diffspec_tree_threshold <= 1):
+            raise ConfigError(f"diffspec_tree_threshold must be in [0, 1] (a probability mass gain), got "
+                              f"{self.diffspec_tree_threshold!r}")
+        from diffspec_jax.adaptive import check_branching
+
+        try:
+            check_branching(self.diffspec_tree_branching)
+        except ConfigError as exc:
+            raise ConfigError(f"diffspec_tree_branching: {exc}") from None
+        if self.tree:
+            n = self.diffspec_max_tree_nodes
+            if not k <= n <= 255:
+                raise ConfigError(f"diffspec_max_tree_nodes must be in [num_speculative_tokens ({k}), 255] in tree "
+                                  f"mode, got {n}")
+            if self.diffspec_tree_topk > n:
+                raise ConfigError(f"diffspec_tree_topk ({self.diffspec_tree_topk}) must be <= "
+                                  f"diffspec_max_tree_nodes ({n})")
+            if self.draft_sampling != "argmax":
+                raise ConfigError("tree drafting expands each node's top-k children deterministically; "
+                                  "draft_sampling='sample' applies to chain mode only")
         if self.draft_context_policy not in DRAFT_CONTEXT_POLICIES:
             raise ConfigError(f"draft_context_policy must be one of {DRAFT_CONTEXT_POLICIES}, got "
                               f"{self.draft_context_policy!r}")
@@ -754,6 +807,11 @@ class SpecConfig:
                 raise ConfigError(
                     f"diffspec_token_budget {b} is too small for num_speculative_tokens {k} and chunk size {c}: the "
                     f"history budget floor((B - K - 1) / C) * C = {self.history_budget} must be >= {need}")
+
+    @property
+    def tree(self) -> bool:
+        """Tree drafting and verification (``diffspec_verification_mode == "tree"``)."""
+        return self.diffspec_verification_mode == "tree"
 
     @property
     def uses_working_cache(self) -> bool:

@@ -35,15 +35,16 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from diffspec_jax import retrieval, sharding, verification, working_cache
+from diffspec_jax import adaptive, retrieval, sharding, tree, verification, working_cache
 from pallas_kernels import dispatch
-from diffspec_jax.cache import HybridCache, KVCache, create_cache, round_capacity
+from diffspec_jax.cache import HybridCache, KVCache, create_cache, move_rows, round_capacity
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.errors import ConfigError, InputError
-from diffspec_jax.models import eagle3, family
+from diffspec_jax.models import eagle3, ensure_tree_supported, family
 from diffspec_jax.retrieval_control import RetrievalControl
 from diffspec_jax.sampling import choose, processed_logprobs
 from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
+from diffspec_jax.models.layers import attention_dense
 from diffspec_jax.working_cache import DraftCache
 
 # ------------------------------------------------------------------------------------------------ state
@@ -246,12 +247,10 @@ def _draft_choose(plan: Plan, dparams, key, logits_d):
     return eagle3.to_target_ids(dparams, idx), q
 
 
-def draft_propose(plan: Plan, dparams, state: DecodeState, active, key):
-    """Draft step 0 (commit pending entries, rebuild, root) and the chain of K proposals.
+def _draft_root(plan: Plan, dparams, state: DecodeState, active):
+    """Draft step 0: commit the pending entries, rebuild the working cache, run the root.
 
-    Returns:
-        ``(drafts int32 [B, K], q float32 [B, K, V] or None (argmax drafting), draft_cache, retrieval_state,
-        n [B] history length, window [B] rolling-window tokens)``.
+    Returns ``(cache, retrieval_state, n [B], window [B], local [B, 1] root slot, h2 [B, 1, H], logits [B, 1, Vd])``.
     """
     dc, spec = plan.draft, plan.spec
     k1 = spec.num_speculative_tokens + 1
@@ -283,13 +282,26 @@ def draft_propose(plan: Plan, dparams, state: DecodeState, active, key):
         local = n[:, None]
     attn = working_cache.draft_attention(dc, cache, eagle3.rope(dc, q_r, local), local)
     h2, logits = eagle3.finish(dc, dparams, res_r, attn, ax)
+    return cache, ret, n, window, local, h2, logits
+
+
+def draft_propose(plan: Plan, dparams, state: DecodeState, active, key, depth: int | None = None):
+    """Draft step 0 (commit pending entries, rebuild, root) and a chain of ``depth`` (default K) proposals.
+
+    Returns:
+        ``(drafts int32 [B, depth], q float32 [B, depth, V] or None (argmax drafting), draft_cache,
+        retrieval_state, n [B] history length, window [B] rolling-window tokens)``.
+    """
+    dc, ax = plan.draft, plan.draft_axis
+    depth = plan.spec.num_speculative_tokens if depth is None else depth
+    cache, ret, n, window, local, h2, logits = _draft_root(plan, dparams, state, active)
     drafts, qs = [], []
-    for j in range(spec.num_speculative_tokens):
+    for j in range(depth):
         key, sub = jax.random.split(key)
         tok, qp = _draft_choose(plan, dparams, sub, logits[:, 0])
         drafts.append(tok)
         qs.append(qp)
-        if j == spec.num_speculative_tokens - 1:
+        if j == depth - 1:
             break
         z, residual = eagle3.entry_inputs(dc, dparams, tok[:, None], h2, from_target=False, axis_name=ax)
         qj, kj, vj = eagle3.qkv(dparams, z)
@@ -301,15 +313,108 @@ def draft_propose(plan: Plan, dparams, state: DecodeState, active, key):
     return jnp.stack(drafts, axis=1), q_all, cache, ret, n, window
 
 
+def _top_children(dparams, logits_d: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """Each row's ``width`` most likely draft tokens: ``(log-probabilities float32, target ids int32)``."""
+    logp = jax.nn.log_softmax(logits_d.astype(jnp.float32), axis=-1)
+    vals, idx = jax.lax.top_k(logp, width)
+    return vals, eagle3.to_target_ids(dparams, idx.astype(jnp.int32))
+
+
+def draft_propose_tree(plan: Plan, dparams, state: DecodeState, active, caps, budget):
+    """Draft step 0 and an EAGLE-style dynamic tree (:mod:`diffspec_jax.tree`) of depth K.
+
+    Args:
+        caps: int32 ``[B, K]`` children kept per frontier node at each depth (from the branching controller).
+        budget: int32 ``[B]`` tree nodes to keep (<= ``diffspec_max_tree_nodes``).
+    Returns:
+        ``(tree, draft_cache, retrieval_state, n [B], window [B])``. Tree nodes attend to the working cache up
+        to the root (slot ``n``) and to their ancestors (an LSE merge of the two parts); their K/V never enter
+        the draft's store or working cache.
+    """
+    dc, spec, ax = plan.draft, plan.spec, plan.draft_axis
+    depth_max, width, num_nodes = spec.num_speculative_tokens, spec.diffspec_tree_topk, spec.diffspec_max_tree_nodes
+    cache, ret, n, window, local, h2, logits = _draft_root(plan, dparams, state, active)
+    b = n.shape[0]
+    scale = dc.head_dim ** -0.5
+    rank = jnp.arange(width)[None, :]
+    f_score, f_tok = _top_children(dparams, logits[:, 0], width)              # depth 1 = the frontier
+    f_score = jnp.where(rank < caps[:, :1], f_score, -jnp.inf)
+    f_pool = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
+    pool = dict(score=[f_score], parent=[jnp.full((b, width), -1, jnp.int32)], token=[f_tok],
+                depth=[jnp.ones((b, width), jnp.int32)])
+    f_h2 = jnp.broadcast_to(h2, (b, width, h2.shape[-1]))
+    slots = (depth_max - 1) * width
+    hkv = cache.work_k.shape[2]
+    tk = jnp.zeros((b, max(slots, 1), hkv, dc.head_dim), cache.work_k.dtype)
+    tv = jnp.zeros_like(tk)
+    anc = jnp.zeros((b, width, max(slots, 1)), bool)
+    prefix_mask = jnp.broadcast_to(jnp.arange(cache.work_k.shape[1])[None, None, :] <= n[:, None, None],
+                                   (b, width, cache.work_k.shape[1]))
+    stopped = jnp.zeros((b,), bool)
+    pool_size = width
+    for d in range(1, depth_max):                                             # run depth d, propose depth d + 1
+        z, residual = eagle3.entry_inputs(dc, dparams, f_tok, f_h2, from_target=False, axis_name=ax)
+        q, k, v = eagle3.qkv(dparams, z)
+        pos = jnp.broadcast_to(n[:, None] + d, (b, width))
+        q, k = eagle3.rope(dc, q, pos), eagle3.rope(dc, k, pos)
+        own = (d - 1) * width + jnp.arange(width)
+        tk = tk.at[:, own].set(k.astype(tk.dtype))
+        tv = tv.at[:, own].set(v.astype(tv.dtype))
+        anc = anc | (jnp.arange(tk.shape[1])[None, None, :] == own[None, :, None])
+        out_p, lse_p = attention_dense(q, cache.work_k, cache.work_v, prefix_mask, scale)
+        out_t, lse_t = attention_dense(q, tk, tv, anc, scale)
+        h2, logits = eagle3.finish(dc, dparams, residual, tree.merge_attention(out_p, lse_p, out_t, lse_t), ax)
+        c_score, c_tok = _top_children(dparams, logits, width)                # [B, W, W]
+        c_score = f_score[:, :, None] + c_score
+        c_score = jnp.where((rank[:, None, :] < caps[:, d, None, None]) & ~stopped[:, None, None], c_score, -jnp.inf)
+        c_score = c_score.reshape(b, width * width)
+        c_parent = jnp.repeat(f_pool, width, axis=1)
+        before = _best_mass(pool["score"], budget, num_nodes)
+        pool["score"].append(c_score)
+        pool["parent"].append(c_parent)
+        pool["token"].append(c_tok.reshape(b, width * width))
+        pool["depth"].append(jnp.full((b, width * width), d + 1, jnp.int32))
+        if spec.diffspec_tree_threshold > 0:
+            stopped = stopped | (_best_mass(pool["score"], budget, num_nodes) - before < spec.diffspec_tree_threshold)
+        pick = jnp.argsort(-c_score, axis=1, stable=True)[:, :width]          # the next frontier
+        f_score = jnp.take_along_axis(c_score, pick, axis=1)
+        f_tok = jnp.take_along_axis(c_tok.reshape(b, -1), pick, axis=1)
+        f_pool = pool_size + pick.astype(jnp.int32)
+        parent_f = pick // width
+        f_h2 = jnp.take_along_axis(h2, parent_f[:, :, None], axis=1)
+        anc = jnp.take_along_axis(anc, parent_f[:, :, None], axis=1)
+        pool_size += width * width
+    cat = {name: jnp.concatenate(parts, axis=1) for name, parts in pool.items()}
+    t = tree.select_nodes(cat["score"], cat["parent"], cat["token"], cat["depth"], budget, num_nodes,
+                          state.last_token, depth_max)
+    return t, cache, ret, n, window
+
+
+def _best_mass(scores: list, budget: jax.Array, num_nodes: int) -> jax.Array:
+    """Draft probability mass of the best ``budget`` pool entries so far, float32 ``[B]``."""
+    s = jnp.concatenate(scores, axis=1)
+    top = jax.lax.top_k(s, min(num_nodes, s.shape[1]))[0]
+    return jnp.sum(jnp.where(jnp.arange(top.shape[1])[None, :] < budget[:, None], jnp.exp(top), 0.0), axis=1)
+
+
 # ------------------------------------------------------------------------------------------------ cycles
-def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
-    """One draft -> verify -> accept cycle. Returns ``(state, emitted [B, K+1], m [B], n [B], window [B])``."""
+def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_rows=None, *,
+                depth: int | None = None):
+    """One draft -> verify -> accept chain cycle.
+
+    ``depth`` (static, default K) is the chain length this compilation drafts and verifies; ``depth_rows``
+    (int32 ``[B]``, optional) caps each sequence's accepted drafts below it (adaptive depth: a batch runs at its
+    largest depth). Returns ``(state, emitted [B, K+1], m [B], n [B], window [B])``.
+    """
     rng, k_draft, k_verify = _split(plan, state.rng, 3)
-    propose = plan.proposer or draft_propose
-    drafts, q, dcache, ret, n, window = propose(plan, dparams, state, active, k_draft)
-    k1 = plan.k + 1
+    depth = plan.k if depth is None else depth
+    if plan.proposer is not None:
+        drafts, q, dcache, ret, n, window = plan.proposer(plan, dparams, state, active, k_draft)
+        drafts, q = drafts[:, :depth], None if q is None else q[:, :depth]
+    else:
+        drafts, q, dcache, ret, n, window = draft_propose(plan, dparams, state, active, k_draft, depth)
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
-    rows = jnp.broadcast_to(jnp.arange(k1, dtype=jnp.int32), block.shape)
+    rows = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), block.shape)
     fam = family(plan.target)
     out, tcache = fam.step(plan.target, tparams, state.target_cache, block, state.length, rows,
                            aux_layers=plan.aux_layers if plan.draft is not None else (),
@@ -319,27 +424,73 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     else:
         m, emitted = verification.rejection_accept(k_verify, processed_logprobs(out.logits, plan.sampling),
                                                    drafts, q)
+    if depth_rows is not None:  # emitted[j] is a valid target token at every j <= m, so truncating is lossless
+        m = jnp.minimum(m, depth_rows)
     m = jnp.where(active, m, 0)
     # rollback: recurrent states after the m + 1 committed tokens (inactive sequences: before the step)
     tcache = fam.commit(plan.target, tcache, out, jnp.where(active, m + 1, 0))
-    bonus = _rows(emitted, m)
-    col = jnp.arange(k1)[None, :]
-    pend_tokens = jnp.where(col == m[:, None], bonus[:, None],
-                            jnp.concatenate([drafts, jnp.zeros_like(drafts[:, :1])], axis=1))
-    keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
-    if ret is not None and out.score_q is not None:
-        ret = ret.replace(score_q=keep(_rows(out.score_q, m), ret.score_q),
-                          score_lse=keep(_rows(out.score_lse, m), ret.score_lse))
-    state = state.replace(
-        target_cache=tcache, draft_cache=dcache, retrieval=ret, rng=rng,
-        length=keep(state.length + m + 1, state.length), last_token=keep(bonus, state.last_token),
-        pend_tokens=keep(pend_tokens, state.pend_tokens),
-        pend_feats=keep(out.aux.astype(state.pend_feats.dtype), state.pend_feats) if out.aux is not None
-        else state.pend_feats,
-        pend_count=keep(m + 1, state.pend_count))
+    path = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), m.shape + (depth + 1,))
+    state, emitted, m = _accept(plan, state, active, rng, tcache, dcache, ret, out, m, emitted, path)
     return state, emitted, m, n, window
 
 
+def _pad_cols(x: jax.Array, width: int) -> jax.Array:
+    """Zero-pad axis 1 of ``x`` to ``width``."""
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, width - x.shape[1])
+    return jnp.pad(x, pad)
+
+
+def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, out, m, emitted, path):
+    """Commit ``m`` accepted tokens + the correction/bonus: lengths, pending draft entries (features of the verify
+    rows ``path [B, m+1 ...]``), the scoring query of the deepest accepted row. ``emitted [B, <= K+1]``."""
+    k1 = plan.k + 1
+    emitted = _pad_cols(emitted, k1)
+    bonus = _rows(emitted, m)
+    col = jnp.arange(k1)[None, :]
+    pend_tokens = jnp.where(col <= m[:, None], emitted, 0)
+    keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
+    last = _rows(path, m)
+    if ret is not None and out.score_q is not None:
+        ret = ret.replace(score_q=keep(_rows(out.score_q, last), ret.score_q),
+                          score_lse=keep(_rows(out.score_lse, last), ret.score_lse))
+    feats = state.pend_feats
+    if out.aux is not None:
+        feats = _pad_cols(jnp.take_along_axis(out.aux, path[:, :, None], axis=1).astype(feats.dtype), k1)
+    state = state.replace(
+        target_cache=tcache, draft_cache=dcache, retrieval=ret, rng=rng,
+        length=keep(state.length + m + 1, state.length), last_token=keep(bonus, state.last_token),
+        pend_tokens=keep(pend_tokens, state.pend_tokens), pend_feats=keep(feats, state.pend_feats),
+        pend_count=keep(m + 1, state.pend_count))
+    return state, emitted, m
+
+
+def _tree_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, caps, budget):
+    """One tree cycle: draft tree -> one tree-masked target step -> walk -> move the accepted path's KV rows.
+
+    ``caps`` int32 ``[B, K]`` and ``budget`` int32 ``[B]`` come from the host's branching and budget controllers.
+    Returns ``(state, emitted [B, K+1], m [B], n [B], window [B], tree_size [B])``.
+    """
+    rng, _, k_verify = _split(plan, state.rng, 3)
+    spec = plan.spec
+    depth = plan.k
+    t, dcache, ret, n, window = draft_propose_tree(plan, dparams, state, active, caps, budget)
+    mask = tree.ancestry_mask(t.parents, t.valid, depth)
+    rows = jnp.broadcast_to(jnp.arange(t.tokens.shape[1], dtype=jnp.int32), t.tokens.shape)
+    fam = family(plan.target)
+    out, tcache = fam.step(plan.target, tparams, state.target_cache, t.tokens, state.length, rows,
+                           aux_layers=plan.aux_layers, score_layer=plan.score_layer, axis_name=plan.tp_axis,
+                           tree=(t.depth, mask))
+    if plan.sampling.greedy:
+        m, path, emitted = verification.tree_greedy_accept(out.logits, t, depth)
+    else:
+        m, path, emitted = verification.tree_rejection_accept(
+            k_verify, processed_logprobs(out.logits, plan.sampling), t, depth, spec.diffspec_tree_topk)
+    m = jnp.where(active, m, 0)
+    path = jnp.where(active[:, None], path, jnp.arange(depth + 1, dtype=jnp.int32)[None, :])
+    tcache = move_rows(tcache, state.length, path)
+    state, emitted, m = _accept(plan, state, active, rng, tcache, dcache, ret, out, m, emitted, path)
+    return state, emitted, m, n, window, t.size
 def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     """Autoregressive baseline: one target step on ``last_token``; same cache machinery."""
     rng, key = _split(plan, state.rng)
@@ -437,30 +588,37 @@ def param_spec_key(params) -> tuple | None:
 @functools.lru_cache(maxsize=64)
 def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
     """The jitted steps of ``plan``: plain ``jit`` without a mesh, ``jit(shard_map(...))`` with one. Cached per
-    plan, so repeated :func:`generate` calls reuse the compilations."""
-    fns = dict(prefill_chunk=(_prefill_chunk, 2), start_decode=(_start_decode, 0), retrieve=(_retrieve, 2),
-               cycle=(_spec_cycle if plan.speculative else _target_cycle, 2))
-    if plan.mesh is None:
-        return SimpleNamespace(**{name: jax.jit(functools.partial(fn, plan), donate_argnums=(i,))
-                                  for name, (fn, i) in fns.items()})
+    plan, so repeated :func:`generate` calls reuse the compilations.
+
+    ``cycle(tparams, dparams, state, active)`` is the K-deep chain (or target-only) cycle; ``cycle_at(d)`` the
+    d-deep chain taking per-sequence depths (adaptive depth; compiled once per depth used);
+    ``tree_cycle(tparams, dparams, state, active, caps, budget)`` the tree cycle.
+    """
     dp = sharding.DP if plan.dp > 1 else None
     tp = sharding.TP
-    st = state_specs(plan)
-    tparams, dparams = _spec_tree(tspec_key), _spec_tree(dspec_key)
-    acc = _PrefillAcc(logits=P(dp, None), aux=P(dp, None), score_q=P(dp, tp, None), score_lse=P(dp, tp))
-    row = P(dp)
-    specs = dict(
-        prefill_chunk=((tparams, dparams, st, acc, P(dp, None), P(dp, None), row, row), (st, acc)),
-        start_decode=((st, acc, row), (st, row)),
-        cycle=((tparams, dparams, st, row), (st, P(dp, None), row, row, row)),
-        retrieve=((tparams, dparams, st, row), (st, P(tp, dp, None))))
-    out = {}
-    for name, (fn, i) in fns.items():
-        ins, outs = specs[name]
+    row, rows2 = P(dp), P(dp, None)
+
+    def make(fn, donate, ins, outs):
+        if plan.mesh is None:
+            return jax.jit(functools.partial(fn, plan), donate_argnums=(donate,))
         mapped = jax.shard_map(functools.partial(fn, plan), mesh=plan.mesh, in_specs=ins, out_specs=outs,
                                check_vma=False)
-        out[name] = jax.jit(mapped, donate_argnums=(i,))
-    return SimpleNamespace(**out)
+        return jax.jit(mapped, donate_argnums=(donate,))
+
+    st = state_specs(plan) if plan.mesh is not None else None
+    tparams, dparams = _spec_tree(tspec_key), _spec_tree(dspec_key)
+    acc = _PrefillAcc(logits=rows2, aux=rows2, score_q=P(dp, tp, None), score_lse=P(dp, tp))
+    cycle_out = (st, rows2, row, row, row)
+    out = SimpleNamespace(
+        prefill_chunk=make(_prefill_chunk, 2, (tparams, dparams, st, acc, rows2, rows2, row, row), (st, acc)),
+        start_decode=make(_start_decode, 0, (st, acc, row), (st, row)),
+        retrieve=make(_retrieve, 2, (tparams, dparams, st, row), (st, P(tp, dp, None))),
+        cycle=make(_spec_cycle if plan.speculative else _target_cycle, 2, (tparams, dparams, st, row), cycle_out))
+    out.cycle_at = functools.lru_cache(maxsize=None)(
+        lambda d: make(functools.partial(_spec_cycle, depth=d), 2, (tparams, dparams, st, row, row), cycle_out))
+    if plan.speculative and plan.spec.tree:
+        out.tree_cycle = make(_tree_cycle, 2, (tparams, dparams, st, row, rows2, row), cycle_out + (row,))
+    return out
 
 
 def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:
@@ -480,12 +638,84 @@ class _RetrievalControl(RetrievalControl):
         return {"aggregate": self.aggregate(idx), "per_sequence": [self.c[i].report() for i in idx]}
 
 
+class _ShapeControl:
+    """Host side of the draft's shape per sequence: adaptive chain depth, or the tree's branching caps and node
+    budget (:mod:`diffspec_jax.adaptive`); picks the compiled cycle and feeds it per-row inputs."""
+
+    def __init__(self, plan: Plan, lengths: np.ndarray):
+        spec, n = plan.spec, len(lengths)
+        self.k, self.nodes = plan.k, spec.diffspec_max_tree_nodes
+        self.tree = plan.speculative and spec.tree
+        self.adaptive = plan.speculative and spec.diffspec_adaptive_profile
+        self.histogram = [0] * (self.k + 1)
+        self.drafted = 0
+        self.tree_nodes = 0
+        self._size = self._depths = None
+        if self.tree:
+            self.caps = [adaptive.make_caps_controller(spec.diffspec_tree_branching, self.k, spec.diffspec_tree_topk)
+                         for _ in range(n)]
+            self.budget = [adaptive.NodeBudget(spec.diffspec_max_tree_nodes, self.k) if self.adaptive else None
+                           for _ in range(n)]
+        elif self.adaptive:
+            self.depth = [adaptive.AdaptiveDepth(self.k, spec.diffspec_long_context_threshold,
+                                                 spec.diffspec_long_context_depth) for _ in range(n)]
+            for d, length in zip(self.depth, lengths):
+                d.start(int(length))
+
+    def run(self, fns, tparams, dparams, state, live: np.ndarray, rows: np.ndarray):
+        """One cycle of the right compiled kind; returns ``(state, emitted, m, n, window)``."""
+        act = jnp.asarray(live)
+        if self.tree:
+            caps = np.stack([self.caps[s].caps() for s in rows]).astype(np.int32)
+            budget = np.array([self.nodes if self.budget[s] is None else self.budget[s].budget for s in rows],
+                              np.int32)
+            state, emitted, m, n, window, size = fns.tree_cycle(tparams, dparams, state, act, jnp.asarray(caps),
+                                                                jnp.asarray(budget))
+            self._size = np.asarray(size)
+            return state, emitted, m, n, window
+        if self.adaptive:
+            self._depths = np.array([self.depth[s].depth for s in rows], np.int32)
+            top = int(self._depths[live].max()) if live.any() else self.k
+            return fns.cycle_at(top)(tparams, dparams, state, act, jnp.asarray(self._depths))
+        return fns.cycle(tparams, dparams, state, act)
+
+    def observe(self, row: int, seq: int, m: int, length: int) -> None:
+        """Book sequence ``seq``'s verification (device row ``row``): ``m`` accepted drafts, committed ``length``."""
+        if not self.k:
+            return
+        self.histogram[m] += 1
+        if self.tree:
+            self.caps[seq].record(m)
+            if self.budget[seq] is not None:
+                self.budget[seq].observe(m)
+            self.tree_nodes += int(self._size[row])
+            self.drafted += int(self._size[row])
+        elif self.adaptive:
+            self.drafted += int(self._depths[row])
+            self.depth[seq].observe(m + 1, length)
+        else:
+            self.drafted += self.k
+
+    def report(self, real: int) -> dict[str, Any] | None:
+        if self.tree:
+            return {"per_sequence": [{"branching": self.caps[i].snapshot(),
+                                      "node_budget": self.budget[i].snapshot() if self.budget[i] else None}
+                                     for i in range(real)]}
+        if self.adaptive:
+            return {"per_sequence": [{"depth": d.depth, "floor": d.floor} for d in self.depth[:real]]}
+        return None
+
+
 @dataclass
 class GenerateStats:
     """Statistics of one :func:`generate` call (``dataclasses.asdict`` / :meth:`to_dict` give a dict).
 
     ``mean_acceptance_length`` counts tokens emitted per verification (accepted drafts + 1);
-    ``acceptance_per_position[i]`` counts verifications that accepted draft position i.
+    ``acceptance_per_position[i]`` counts verifications that accepted draft position i (tree: depth i + 1);
+    ``accepted_depth_histogram[d]`` counts verifications that accepted exactly d drafts; ``drafted_tokens`` counts
+    drafted tokens that could be accepted (chain depth, or tree nodes); ``mean_tree_size`` is the mean number of
+    tree nodes per verification (tree mode); ``drafting`` holds the per-sequence controllers' final state
+    (adaptive depth, or the tree's branching profile and node budget).
     """
 
     num_sequences: int = 0
@@ -498,6 +728,10 @@ class GenerateStats:
     accepted_tokens: int = 0
     mean_acceptance_length: float | None = None
     acceptance_per_position: list[int] = field(default_factory=list)
+    verification_mode: str | None = None
+    accepted_depth_histogram: list[int] = field(default_factory=list)
+    mean_tree_size: float | None = None
+    drafting: dict[str, Any] | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_tokens_per_s: float | None = None
@@ -539,6 +773,8 @@ def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: Sp
         draft.config.resolve_aux_layers(target.config)
         if spec.draft_context_policy == "diffspec":
             spec.scoring_layer(target.config)
+        if spec.tree:
+            ensure_tree_supported(target.config)
     return out
 
 
@@ -572,15 +808,23 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling)
     tc = target.config
     speculative = draft is not None or proposer is not None
+    if proposer is not None and spec.tree:
+        raise ConfigError("a custom proposer drafts chains; it cannot be combined with diffspec_verification_mode="
+                          "'tree'")
     k = spec.num_speculative_tokens if speculative else 0
+    if spec.tree and speculative:
+        k_block = spec.diffspec_max_tree_nodes  # the tree block occupies max_tree_nodes + 1 cache rows
+    else:
+        k_block = k
     lengths = np.array([len(p) for p in prompts], np.int32)
-    need = int(lengths.max()) + max_new_tokens + k + 1
-    if need - k - 1 > tc.max_position_embeddings:
+    need = int(lengths.max()) + max_new_tokens + k_block + 1
+    if need - k_block - 1 > tc.max_position_embeddings:
         raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
                          f"the target's context window (max_position_embeddings {tc.max_position_embeddings})")
     if max_cache_len is not None and max_cache_len < need:
-        raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) + K + 1 "
-                         f"= {need} positions exceed the cache capacity max_cache_len={max_cache_len}")
+        raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) + "
+                         f"{'max_tree_nodes' if k_block != k else 'K'} + 1 = {need} positions exceed the cache "
+                         f"capacity max_cache_len={max_cache_len}")
     draft_tp = 1
     if mesh is not None and draft is not None:
         tp = sharding.mesh_size(mesh, sharding.TP)
@@ -605,6 +849,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                           draft_context_policy=spec.draft_context_policy if draft is not None else None,
                           acceptance_per_position=[0] * k)
     ctl = _RetrievalControl(spec, batch) if plan.diffspec else None
+    shape = _ShapeControl(plan, lengths)
+    stats.verification_mode = "tree" if shape.tree else "linear" if speculative else None
 
     t0 = time.perf_counter()
     state = init_state(plan, batch, target.dtype, dparams["fc"].dtype if dparams else target.dtype, seed)
@@ -667,7 +913,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             state = state.take(order)
             rows = rows[order]
             live = ~done[rows]
-        state, emitted, m, n, window = fns.cycle(tparams, dparams, state, jnp.asarray(live))
+        state, emitted, m, n, window = shape.run(fns, tparams, dparams, state, live, rows)
         emitted, m, n, window = (np.asarray(x) for x in (emitted, m, n, window))
         stats.cycles += 1
         due = np.zeros(len(rows), bool)
@@ -680,6 +926,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                 for i in range(int(m[r])):
                     stats.acceptance_per_position[i] += 1
             host_len[seq] += int(m[r]) + 1
+            shape.observe(r, seq, int(m[r]), int(host_len[seq]))
             emit(seq, emitted[r, : int(m[r]) + 1])
             if ctl is not None:
                 ctl.observe(seq, emitted=int(m[r]) + 1, working_len=int(n[r]), window=int(window[r]))
@@ -691,7 +938,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     if bar is not None:
         bar.close()
     stats.new_tokens = sum(len(o) for o in out)
-    stats.drafted_tokens = stats.sequence_cycles * k
+    stats.drafted_tokens = shape.drafted
+    stats.accepted_depth_histogram = shape.histogram
+    stats.mean_tree_size = shape.tree_nodes / stats.sequence_cycles if shape.tree and stats.sequence_cycles else None
+    stats.drafting = shape.report(real)
     if stats.sequence_cycles:
         stats.mean_acceptance_length = (stats.accepted_tokens + stats.sequence_cycles) / stats.sequence_cycles
     decoded = stats.new_tokens - real  # the first token of each sequence comes from prefill

@@ -98,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--chunk-size", type=int, default=SpecConfig.diffspec_chunk_size)
     ap.add_argument("--token-budget", type=int, default=SpecConfig.diffspec_token_budget)
     ap.add_argument("--retrieval-interval", type=int, default=SpecConfig.diffspec_retrieval_interval)
+    ap.add_argument("--verification-mode", default=SpecConfig.diffspec_verification_mode,
+                    help="auto | linear (chain drafting) | tree (tree drafting and verification)")
+    ap.add_argument("--max-tree-nodes", type=int, default=SpecConfig.diffspec_max_tree_nodes,
+                    help="tree mode: nodes verified per cycle besides the root")
+    ap.add_argument("--tree-topk", type=int, default=SpecConfig.diffspec_tree_topk,
+                    help="tree mode: frontier width and children per node")
+    ap.add_argument("--tree-branching", default=SpecConfig.diffspec_tree_branching,
+                    help="tree mode: hazard | full | chain | shallow | deep | uniform<N>")
+    ap.add_argument("--tree-threshold", type=float, default=SpecConfig.diffspec_tree_threshold,
+                    help="tree mode: stop expanding once a level adds less draft probability mass than this")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="adapt per sequence: retrieval interval, chain depth (chain mode), node budget (tree mode)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices on the mesh's tp axis)")
     ap.add_argument("--draft-tp", type=int, default=None, help="draft tensor-parallel size: 1 (replicated) or --tp")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32")
@@ -129,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         spec = SpecConfig(num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=policy,
                           diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
                           diffspec_retrieval_interval=args.retrieval_interval,
-                          draft_tensor_parallel_size=args.draft_tp)
+                          diffspec_verification_mode=args.verification_mode,
+                          diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,
+                          diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
+                          diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=args.draft_tp)
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         tok = _tokenizer(target_dir)
         prompt = _prompt_ids(args, tok, target.config.vocab_size)
@@ -202,6 +217,9 @@ def _print_summary(report: dict) -> None:
         lines.append(f"policy {s['draft_context_policy']}, K={s['num_speculative_tokens']}, cycles "
                      f"{s['sequence_cycles']}, mean acceptance length {s['mean_acceptance_length']:.2f}, "
                      f"accepted per position {s['acceptance_per_position']}")
+        if s.get("verification_mode") == "tree":
+            lines.append(f"tree: mean {s['mean_tree_size']:.1f} nodes, accepted depth histogram "
+                         f"{s['accepted_depth_histogram']}")
     if s.get("retrieval"):
         a = s["retrieval"]["aggregate"]
         lines.append(f"retrievals {a['retrievals']} (after prefill {a['retrievals_after_prefill']}), skipped not "

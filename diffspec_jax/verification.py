@@ -1,9 +1,14 @@
-"""Chain verification: how many drafted tokens the target accepts, and which tokens are emitted.
+"""Verification: how many drafted tokens the target accepts, and which tokens are emitted.
 
-Both functions take the target's K+1 rows for the verify block ``[last, d_1..d_K]`` (row i predicts the token
+Chains: both chain functions take the target's K+1 rows for the verify block ``[last, d_1..d_K]`` (row i predicts the token
 after block token i) and return ``(m, emitted)``: ``m`` int32 ``[B]`` accepted drafts (0..K) and ``emitted``
 int32 ``[B, K+1]`` whose first ``m + 1`` entries are the tokens to commit (accepted drafts, then the target's
 correction or bonus); entries past ``m`` are filler.
+
+Trees (:mod:`diffspec_jax.tree` layout, ``T`` rows, row 0 = root): the target's row i predicts the token after
+node i's path. Both tree functions return ``(m, path, emitted)``: ``m`` accepted nodes (0..max_depth), ``path``
+int32 ``[B, max_depth + 1]`` the rows of the root and the accepted nodes (``path[:, 0] = 0``; entries past ``m`` are
+0), ``emitted`` int32 ``[B, max_depth + 1]`` as for chains.
 """
 
 from __future__ import annotations
@@ -66,3 +71,88 @@ def rejection_accept(key: jax.Array, target_logp: jax.Array, drafts: jax.Array,
     drafts_ext = jnp.concatenate([drafts, jnp.zeros((b, 1), drafts.dtype)], axis=1)
     emitted = jnp.where(jnp.arange(k1)[None, :] < m[:, None], drafts_ext, recovered[:, None])
     return m, emitted.astype(jnp.int32)
+
+
+def _children(tree, node: jax.Array) -> jax.Array:
+    """bool ``[B, T]``: the valid children of row ``node [B]``."""
+    return tree.valid & (tree.parents == node[:, None])
+
+
+def tree_greedy_accept(target_logits: jax.Array, tree, max_depth: int
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Follow the target's argmax from the root while a child carries it; emit the argmaxes along the path plus
+    the bonus (token-identical to greedy decoding with the target alone).
+
+    Args:
+        target_logits: ``[B, T, V]``; tree: a :class:`diffspec_jax.tree.Tree`; max_depth: the tree's depth limit.
+    """
+    a = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)
+    b = a.shape[0]
+    cur = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    path = [cur]
+    for _ in range(max_depth):
+        want = jnp.take_along_axis(a, cur[:, None], axis=1)
+        match = _children(tree, cur) & (tree.tokens == want)
+        found = alive & jnp.any(match, axis=1)
+        child = jnp.argmax(match, axis=1).astype(jnp.int32)
+        cur = jnp.where(found, child, cur)
+        alive = found
+        path.append(jnp.where(found, child, 0))
+    path = jnp.stack(path, axis=1)
+    m = jnp.sum(path[:, 1:] > 0, axis=1).astype(jnp.int32)
+    return m, path, jnp.take_along_axis(a, path, axis=1)
+
+
+def tree_rejection_accept(key: jax.Array, target_logp: jax.Array, tree, max_depth: int, max_children: int
+                          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Multi-draft recursive rejection sampling over a tree of deterministic (one-hot) drafts; lossless.
+
+    At the current node (from the root) with target distribution r = p(row): try its children in row order;
+    child x is accepted with probability ``r(x) / sum(r)``; on rejection ``r(x) <- 0`` and the next sibling is
+    tried. An accepted child becomes the current node; when no child is accepted a token is drawn from r (the
+    correction, or the bonus below a leaf) and the walk ends. Each emitted token is thus distributed exactly as
+    the target's processed distribution given the tokens before it.
+
+    Args:
+        target_logp: float32 ``[B, T, V]`` processed target log-probabilities; max_children: the most children any
+            node has (the tree's top-k), a static bound on the tries per depth.
+    """
+    b, _, v = target_logp.shape
+    p = jnp.exp(target_logp)
+    cur = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    final = jnp.zeros((b,), jnp.int32)
+    path = [cur]
+    cols = jnp.arange(v, dtype=jnp.int32)[None, :]
+    for d in range(max_depth + 1):
+        r = jnp.take_along_axis(p, cur[:, None, None], axis=1)[:, 0]
+        kids = _children(tree, cur)
+        order = jnp.cumsum(kids, axis=1) - 1
+        accepted = jnp.zeros((b,), bool)
+        chosen = jnp.zeros((b,), jnp.int32)
+        for i in range(max_children if d < max_depth else 0):
+            is_i = kids & (order == i)
+            c = jnp.argmax(is_i, axis=1).astype(jnp.int32)
+            x = jnp.take_along_axis(tree.tokens, c[:, None], axis=1)
+            px = jnp.take_along_axis(r, x, axis=1)[:, 0]
+            u = jax.random.uniform(jax.random.fold_in(key, d * max_children + i), (b,))
+            trial = alive & ~accepted & jnp.any(is_i, axis=1)
+            ok = trial & (u * jnp.sum(r, axis=1) < px)
+            chosen = jnp.where(ok, c, chosen)
+            accepted = accepted | ok
+            r = jnp.where((trial & ~ok)[:, None] & (cols == x), 0.0, r)
+        r = jnp.where(jnp.sum(r, axis=1, keepdims=True) > 0, r, jnp.take_along_axis(p, cur[:, None, None],
+                                                                                     axis=1)[:, 0])
+        draw = exponential_race(jax.random.fold_in(key, (max_depth + 1) * max_children + d), r)
+        final = jnp.where(alive & ~accepted, draw, final)
+        step = alive & accepted
+        cur = jnp.where(step, chosen, cur)
+        path.append(jnp.where(step, chosen, 0))
+        alive = step
+    path = jnp.stack(path[: max_depth + 1], axis=1)
+    m = jnp.sum(path[:, 1:] > 0, axis=1).astype(jnp.int32)
+    nxt = jnp.take_along_axis(tree.tokens, jnp.concatenate([path[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1),
+                              axis=1)
+    emitted = jnp.where(jnp.arange(max_depth + 1)[None, :] < m[:, None], nxt, final[:, None])
+    return m, path, emitted.astype(jnp.int32)

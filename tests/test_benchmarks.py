@@ -24,7 +24,9 @@ def test_paired_smoke_schema_and_equality(tiny_pair, tmp_path):
     from benchmarks import paired
 
     out = tmp_path / "paired.json"
-    assert paired.main(paired_args(tiny_pair, out)) == 0
+    methods = paired.METHODS + ("diffspec-tree",)
+    assert paired.main(paired_args(tiny_pair, out) + ["--methods", ",".join(methods), "--tree-nodes", "6",
+                                                      "--tree-topk", "2"]) == 0
     data = json.loads(out.read_text())
     assert data["passed_equality"] is True and data["equality"] == "strict"
     env = data["environment"]
@@ -34,7 +36,8 @@ def test_paired_smoke_schema_and_equality(tiny_pair, tmp_path):
     assert [c["context"] for c in data["cases"]] == [64, 160]
     for case in data["cases"]:
         assert len(case["prompt_sha256"]) == 64 and not case["mismatches"]
-        assert set(case["methods"]) == set(paired.METHODS)
+        assert set(case["methods"]) == set(methods)
+        assert case["methods"]["diffspec-tree"]["mean_tree_size"] == 6
         for m, stats in case["methods"].items():
             assert len(stats["decode_tokens_per_s"]["values"]) == 3 and stats["ttft_s"]["median"] > 0
             if m != "target":

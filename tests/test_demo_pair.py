@@ -55,3 +55,22 @@ def test_greedy_speculative_equals_target_only_on_the_pair(dtype, tokenizer):
     assert res.tokens == base.tokens
     assert res.stats.mean_acceptance_length > 1.3
     assert res.stats.retrieval["aggregate"]["retrievals"] >= 2
+
+
+def test_tree_mode_on_the_pair_is_lossless_and_accepts_deeper(tokenizer):
+    """Trees on a trained pair: deep accepted paths (so the KV moves of non-consecutive rows are exercised), output
+    identical to target-only, and at least the chain's acceptance length on the same prompt."""
+    target = load_target(demo.target_dir(), dtype="float32")
+    draft = load_draft(demo.draft_dir(), target)
+    ids = tokenizer(demo.prompt_text())["input_ids"]
+    prompts = [ids[:900], ids[5000:5600]]
+    base = generate(target, None, prompts, max_new_tokens=48, stop_token_ids=())
+    chain = generate(target, draft, prompts, max_new_tokens=48, stop_token_ids=(),
+                     spec=SpecConfig(draft_context_policy="diffspec", diffspec_token_budget=512))
+    tree = generate(target, draft, prompts, max_new_tokens=48, stop_token_ids=(),
+                    spec=SpecConfig(draft_context_policy="diffspec", diffspec_token_budget=512,
+                                    diffspec_verification_mode="tree", diffspec_max_tree_nodes=16,
+                                    diffspec_tree_topk=4))
+    assert tree.tokens == base.tokens
+    hist = tree.stats.accepted_depth_histogram
+    assert sum(hist[2:]) > 0 and tree.stats.mean_acceptance_length >= chain.stats.mean_acceptance_length

@@ -62,6 +62,18 @@ def test_tp4_speculative_generation_is_token_identical_to_tp1(policy, draft_tp, 
         assert ours == ref
 
 
+def test_tree_mode_at_tp4_is_token_identical_to_tp1(targets, drafts):
+    """Tree drafting + tree verification under shard_map (sharded draft, DiffSpec retrieval) equals TP1."""
+    spec = SpecConfig(draft_context_policy="diffspec", diffspec_verification_mode="tree", diffspec_max_tree_nodes=8,
+                      diffspec_tree_topk=3, **SPEC)
+    ref = generate(targets["llama"], drafts["llama"], PROMPTS, max_new_tokens=20, spec=spec, stop_token_ids=())
+    tp4 = generate(targets["llama"], drafts["llama"], PROMPTS, max_new_tokens=20, spec=spec, stop_token_ids=(),
+                   mesh=make_mesh(4))
+    assert tp4.tokens == ref.tokens
+    assert tp4.stats.accepted_depth_histogram == ref.stats.accepted_depth_histogram
+    assert tp4.stats.retrieval["aggregate"]["ranks_agree"]
+
+
 def test_qwen3_with_equal_vocab_draft_at_tp2_and_data_parallel_replicas(targets, drafts):
     spec = SpecConfig(draft_context_policy="diffspec", **SPEC)
     ref = generate(targets["qwen3"], drafts["qwen3"], PROMPTS, max_new_tokens=24, spec=spec, stop_token_ids=())

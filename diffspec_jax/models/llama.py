@@ -170,19 +170,31 @@ def forward_aux(config: ModelConfig, params: Params, tokens: jax.Array, *, aux_l
     return _lm_head(config, params, x, axis_name), aux_out
 
 
-def cache_attention(q, k, v, k_buf, v_buf, positions, mask, scale):
-    """Write a step's ``k, v [B, T, Hkv, D]`` into the layer's buffers at ``positions`` and attend ``q`` over them:
-    densely under ``mask`` (short steps) or tile by tile (``mask=None``: prefill chunks). Returns
-    ``((out, lse), k_buf, v_buf)``."""
-    kb, vb = write_rows(k_buf, k, positions), write_rows(v_buf, v, positions)
+def cache_attention(q, k, v, k_buf, v_buf, positions, mask, scale, slots=None):
+    """Write a step's ``k, v [B, T, Hkv, D]`` into the layer's buffers at ``slots`` (default: ``positions``) and
+    attend ``q`` over them: densely under ``mask`` (short steps, trees) or tile by tile (``mask=None``: prefill
+    chunks). Returns ``((out, lse), k_buf, v_buf)``."""
+    slots = positions if slots is None else slots
+    kb, vb = write_rows(k_buf, k, slots), write_rows(v_buf, v, slots)
     if mask is not None:
         return attention_dense(q, kb, vb, mask, scale), kb, vb
     return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, kb.shape[1])), kb, vb
 
 
+def tree_cache_mask(start: jax.Array, ancestry: jax.Array, capacity: int) -> jax.Array:
+    """bool ``[B, T, S]`` for a tree block written at rows ``start .. start + T - 1``: the committed prefix (rows
+    ``< start``) plus the block rows marked in ``ancestry [B, T, T]``."""
+    t = ancestry.shape[1]
+    rel = jnp.arange(capacity, dtype=jnp.int32)[None, None, :] - start[:, None, None]
+    in_block = (rel >= 0) & (rel < t)
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (ancestry.shape[0], t, capacity))
+    return (rel < 0) | (in_block & jnp.take_along_axis(ancestry, idx, axis=2))
+
+
 def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, start: jax.Array,
          rows: jax.Array, *, aux_layers: tuple[int, ...] = (), score_layer: int | None = None,
-         axis_name: str | None = None) -> tuple[StepOutput, KVCache]:
+         axis_name: str | None = None, tree: tuple[jax.Array, jax.Array] | None = None
+         ) -> tuple[StepOutput, KVCache]:
     """Run ``T`` new tokens per sequence against the cache and write their K/V into it.
 
     Serves prefill chunks (T = chunk), decode (T = 1) and verification (T = K + 1) with one code path.
@@ -195,14 +207,21 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
         aux_layers: HF ``hidden_states`` indices (0..L-1; index i = input of layer i) to return for all T rows.
         score_layer: layer whose post-RoPE queries and LSE are returned at ``rows`` (``None``: none).
         axis_name: tensor-parallel mesh axis (``None`` on one device).
+        tree: ``(depth int32 [B, T], ancestry bool [B, T, T])`` to verify a draft tree (:mod:`diffspec_jax.tree`):
+            token t is written at row ``start + t`` but rotated at position ``start + depth[t]``, and attends to
+            the committed prefix (rows ``< start``) plus the block rows its ancestry row marks.
     Returns:
         ``(StepOutput, updated cache)``. Positions ``>= capacity`` are not written (and must not be queried).
     """
     b, t = tokens.shape
-    positions = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions = slots if tree is None else start[:, None].astype(jnp.int32) + tree[0]
     cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
     scale = config.head_dim ** -0.5
-    mask = causal_mask(positions, cache.capacity) if t <= DENSE_ATTENTION_MAX_TOKENS else None
+    if tree is not None:
+        mask = tree_cache_mask(start, tree[1], cache.capacity)
+    else:
+        mask = causal_mask(positions, cache.capacity) if t <= DENSE_ATTENTION_MAX_TOKENS else None
     x = embed_lookup(params["embed"], tokens, axis_name)
     aux, new_k, new_v = [], [], []
     score_q = score_lse = None
@@ -211,7 +230,7 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
         k_buf, v_buf = cache.k[i], cache.v[i]
 
         def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
-            out, kb, vb = cache_attention(q, k, v, k_buf, v_buf, positions, mask, scale)
+            out, kb, vb = cache_attention(q, k, v, k_buf, v_buf, positions, mask, scale, slots)
             new_k.append(kb)
             new_v.append(vb)
             return out
