@@ -237,6 +237,8 @@ def main(argv=None) -> int:
                 base = case["methods"]["target"]["decode_tokens_per_s"]["median"]
                 case["methods"][m]["speedup_vs_target"] = case["methods"][m]["decode_tokens_per_s"]["median"] / base
         payload["cases"].append(case)
+        payload["passed_equality"] = not failed
+        write_json(Path(args.out), payload)  # after every context, so a run cut short still leaves its data
         print(json.dumps({"context": ctx, **{m: {k: case["methods"][m].get(k) for k in ("speedup_vs_target",)}
                                               | {"acceptance": (case["methods"][m].get("mean_acceptance_length")
                                                                 or {}).get("median")}
