@@ -52,6 +52,21 @@ def test_compare_policy_flags_and_summary(random_pair, capsys):
     assert len(out.out.split()) == 16  # streamed ids
 
 
+def test_tree_mode_flags(random_pair, capsys):
+    target, draft = random_pair
+    code, out = run_cli(["--target", str(target), "--draft", str(draft), "--prompt-ids", "5,6,7,8,9,10,11",
+                         "--max-new-tokens", "10", "--ignore-eos", "--dtype", "float32", "-k", "3",
+                         "--verification-mode", "tree", "--max-tree-nodes", "7", "--tree-topk", "2",
+                         "--tree-branching", "uniform1", "--adaptive", "--json"], capsys)
+    assert code == 0, out.err
+    s = json.loads(out.out)["stats"]
+    # one child per node: the tree is a chain of K = 3 nodes, under the budget of round4(7 / 1.5) = 4
+    assert s["verification_mode"] == "tree" and s["mean_tree_size"] == 3
+    assert s["drafting"]["per_sequence"][0]["branching"]["caps"] == [1, 1, 1]
+    code, out = run_cli(["--target", str(target), "--prompt-ids", "1,2", "--tree-branching", "bushy"], capsys)
+    assert code == 2 and "diffspec_tree_branching" in out.err
+
+
 def test_embedded_demo_pair_with_a_text_prompt(capsys):
     """No --target: the shipped trained pair, its tokenizer, DiffSpec, and the comparison with target-only."""
     code, out = run_cli(["--prompt", "import os\n\ndef main(argv):\n    parser = ", "--max-new-tokens", "24",
