@@ -32,16 +32,10 @@ def round_capacity(capacity: int, tile: int = ATTENTION_TILE) -> int:
     return -(-capacity // tile) * tile
 
 
-@struct.dataclass
-class KVCache:
-    """Per-layer K/V buffers.
-
-    Attributes:
-        k, v: tuples of ``num_layers`` arrays ``[B, S, Hkv_local, D]`` (``Hkv_local`` is the shard's KV heads).
-    """
+class _LayerBuffers:
+    """What every cache answers from its first K buffer ``[B, S, Hkv, D]``."""
 
     k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
 
     @property
     def batch(self) -> int:
@@ -50,6 +44,18 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k[0].shape[1]
+
+
+@struct.dataclass
+class KVCache(_LayerBuffers):
+    """Per-layer K/V buffers.
+
+    Attributes:
+        k, v: tuples of ``num_layers`` arrays ``[B, S, Hkv_local, D]`` (``Hkv_local`` is the shard's KV heads).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     def layer_keys(self, layer: int) -> jax.Array:
         """The K buffer of decoder layer ``layer``."""
@@ -68,7 +74,7 @@ class KVCache:
 
 
 @struct.dataclass
-class HybridCache:
+class HybridCache(_LayerBuffers):
     """The cache of a hybrid target (Qwen3.5): KV for full-attention layers, conv + recurrent state for DeltaNet.
 
     Attributes:
@@ -88,14 +94,6 @@ class HybridCache:
     ssm: tuple[jax.Array, ...]
     full_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
     linear_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
-
-    @property
-    def batch(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1]
 
     def layer_keys(self, layer: int) -> jax.Array:
         """The K buffer of decoder layer ``layer`` (a full-attention layer)."""

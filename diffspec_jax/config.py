@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from diffspec_jax.adaptive import check_branching
 from diffspec_jax.errors import ConfigError, UnsupportedModelError
 
 #: architecture name -> (model_type, has per-head q/k norm)
@@ -420,12 +421,18 @@ class ModelConfig:
         """A transformers-v5 ``config.json`` dict that :meth:`from_dict` (and transformers) read back."""
         if self.is_hybrid:
             return self._qwen35_hf_dict()
+        d: dict[str, Any] = {"architectures": [self.architecture], "model_type": self.model_type,
+                             "intermediate_size": self.intermediate_size, **self._hf_common(),
+                             "rope_parameters": self.rope.to_hf()}
+        if self.model_type == "llama":
+            d["mlp_bias"] = False
+        return d
+
+    def _hf_common(self) -> dict[str, Any]:
+        """The config.json fields every family writes the same way (token ids and dtype only when set)."""
         d: dict[str, Any] = {
-            "architectures": [self.architecture],
-            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -434,11 +441,8 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "rope_parameters": self.rope.to_hf(),
             "attention_bias": False,
         }
-        if self.model_type == "llama":
-            d["mlp_bias"] = False
         if self.dtype:
             d["dtype"] = self.dtype
         if self.bos_token_id is not None:
@@ -450,18 +454,8 @@ class ModelConfig:
     def _qwen35_hf_dict(self) -> dict[str, Any]:
         text: dict[str, Any] = {
             "model_type": "qwen3_5_moe_text",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
+            **self._hf_common(),
             "rope_parameters": {**self.rope.to_hf(), "partial_rotary_factor": self.rope.partial_rotary_factor},
-            "attention_bias": False,
             "layer_types": list(self.layer_types) or [FULL_ATTENTION] * self.num_hidden_layers,
             "linear_num_key_heads": self.linear_num_key_heads,
             "linear_num_value_heads": self.linear_num_value_heads,
@@ -473,12 +467,6 @@ class ModelConfig:
             "num_experts": self.num_experts,
             "num_experts_per_tok": self.num_experts_per_tok,
         }
-        if self.dtype:
-            text["dtype"] = self.dtype
-        if self.bos_token_id is not None:
-            text["bos_token_id"] = self.bos_token_id
-        if self.eos_token_ids:
-            text["eos_token_id"] = list(self.eos_token_ids) if len(self.eos_token_ids) > 1 else self.eos_token_ids[0]
         if self.architecture == "Qwen3_5MoeForCausalLM":
             return {"architectures": [self.architecture], **text}
         out: dict[str, Any] = {"architectures": [self.architecture], "model_type": "qwen3_5_moe", "text_config": text,
@@ -768,8 +756,6 @@ class SpecConfig:
         if not (isinstance(self.diffspec_tree_threshold, (int, float)) and 0 <= self.diffspec_tree_threshold <= 1):
             raise ConfigError(f"diffspec_tree_threshold must be in [0, 1] (a probability mass gain), got "
                               f"{self.diffspec_tree_threshold!r}")
-        from diffspec_jax.adaptive import check_branching
-
         try:
             check_branching(self.diffspec_tree_branching)
         except ConfigError as exc:

@@ -351,6 +351,8 @@ def draft_propose_tree(plan: Plan, dparams, state: DecodeState, active, caps, bu
     prefix_mask = jnp.broadcast_to(jnp.arange(cache.work_k.shape[1])[None, None, :] <= n[:, None, None],
                                    (b, width, cache.work_k.shape[1]))
     stopped = jnp.zeros((b,), bool)
+    track_mass = spec.diffspec_tree_threshold > 0
+    mass = _best_mass(pool["score"], budget, num_nodes) if track_mass else None
     pool_size = width
     for d in range(1, depth_max):                                             # run depth d, propose depth d + 1
         z, residual = eagle3.entry_inputs(dc, dparams, f_tok, f_h2, from_target=False, axis_name=ax)
@@ -369,13 +371,14 @@ def draft_propose_tree(plan: Plan, dparams, state: DecodeState, active, caps, bu
         c_score = jnp.where((rank[:, None, :] < caps[:, d, None, None]) & ~stopped[:, None, None], c_score, -jnp.inf)
         c_score = c_score.reshape(b, width * width)
         c_parent = jnp.repeat(f_pool, width, axis=1)
-        before = _best_mass(pool["score"], budget, num_nodes)
         pool["score"].append(c_score)
         pool["parent"].append(c_parent)
         pool["token"].append(c_tok.reshape(b, width * width))
         pool["depth"].append(jnp.full((b, width * width), d + 1, jnp.int32))
-        if spec.diffspec_tree_threshold > 0:
-            stopped = stopped | (_best_mass(pool["score"], budget, num_nodes) - before < spec.diffspec_tree_threshold)
+        if track_mass:  # stop deeper levels once a level adds too little mass to the kept set
+            new_mass = _best_mass(pool["score"], budget, num_nodes)
+            stopped = stopped | (new_mass - mass < spec.diffspec_tree_threshold)
+            mass = new_mass
         pick = jnp.argsort(-c_score, axis=1, stable=True)[:, :width]          # the next frontier
         f_score = jnp.take_along_axis(c_score, pick, axis=1)
         f_tok = jnp.take_along_axis(c_tok.reshape(b, -1), pick, axis=1)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import random_prompts, rel_err, rewrite_safetensors
+from conftest import check_cached_steps, random_prompts, rel_err, rewrite_safetensors
 from diffspec_jax import ModelConfig, SpecConfig, forward, generate, load_draft, load_target, make_mesh
 from diffspec_jax import target as tgt
 from diffspec_jax.errors import ConfigError, UnsupportedModelError
@@ -165,13 +165,7 @@ def test_chunked_prefill_then_cached_steps_match_transformers(kind, layout, q35_
     logits, cache = _prefill(model, SEQ, LENGTHS, 128)
     for b, n in enumerate(LENGTHS):
         assert rel_err(logits[b], ref[b, n - 1]) <= TOL
-    start = np.array(LENGTHS)
-    for t in (1, 5, 1, 5):
-        toks = np.stack([SEQ[b, start[b]:start[b] + t] for b in range(len(LENGTHS))])
-        step_logits, cache = tgt.decode(model, cache, toks, start)
-        for b in range(len(LENGTHS)):
-            assert rel_err(step_logits[b], ref[b, start[b]:start[b] + t]) <= TOL
-        start = start + t
+    check_cached_steps(model, cache, SEQ, LENGTHS, ref, TOL)
 
 
 def test_rollback_after_partial_acceptance_equals_a_fresh_run(q35_targets, q35_reference):

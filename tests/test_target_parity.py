@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ARCHS, hf_logits, rel_err
+from conftest import ARCHS, check_cached_steps, hf_logits, rel_err
 from diffspec_jax import forward, target as tgt
 from diffspec_jax.cache import KVCache
 from diffspec_jax.models.llama import DENSE_ATTENTION_MAX_TOKENS
@@ -40,13 +40,7 @@ def test_chunked_prefill_then_cached_steps_match_transformers(arch, targets, seq
     logits, cache = tgt.prefill(model, cache, [list(s[:n]) for s, n in zip(sequences, LENGTHS)], chunk=128)
     for b, n in enumerate(LENGTHS):
         assert rel_err(logits[b], ref[b, n - 1]) <= TOL
-    start = np.array(LENGTHS)
-    for t in (1, 5, 1, 5):
-        toks = np.stack([sequences[b, start[b]:start[b] + t] for b in range(len(LENGTHS))])
-        step_logits, cache = tgt.decode(model, cache, toks, start)
-        for b in range(len(LENGTHS)):
-            assert rel_err(step_logits[b], ref[b, start[b]:start[b] + t]) <= TOL
-        start = start + t
+    check_cached_steps(model, cache, sequences, LENGTHS, ref, TOL)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -170,6 +170,16 @@ def forward_aux(config: ModelConfig, params: Params, tokens: jax.Array, *, aux_l
     return _lm_head(config, params, x, axis_name), aux_out
 
 
+def concat_aux(aux: list, aux_layers: tuple[int, ...], num_layers: int) -> jax.Array | None:
+    """The collected ``(request index, [B, T, H])`` aux inputs concatenated in the requested order,
+    ``[B, T, A * H]`` (``None`` when none were requested)."""
+    if not aux_layers:
+        return None
+    if len(aux) != len(aux_layers):
+        raise ValueError(f"aux layers {aux_layers} must be HF indices in 0..{num_layers - 1}")
+    return jnp.concatenate([a for _, a in sorted(aux, key=lambda p: p[0])], axis=-1)
+
+
 def cache_attention(q, k, v, k_buf, v_buf, positions, mask, scale, slots=None):
     """Write a step's ``k, v [B, T, Hkv, D]`` into the layer's buffers at ``slots`` (default: ``positions``) and
     attend ``q`` over them: densely under ``mask`` (short steps, trees) or tile by tile (``mask=None``: prefill
@@ -241,10 +251,6 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
             score_lse = jnp.take_along_axis(lse, rows[:, :, None], axis=1)
         x = _mlp_block(config, lp, x, axis_name)
     logits = _lm_head(config, params, jnp.take_along_axis(x, rows[:, :, None], axis=1), axis_name)
-    aux_out = None
-    if aux_layers:
-        if len(aux) != len(aux_layers):
-            raise ValueError(f"aux layers {aux_layers} must be HF indices in 0..{len(params['layers']) - 1}")
-        aux_out = jnp.concatenate([a for _, a in sorted(aux, key=lambda p: p[0])], axis=-1)
+    aux_out = concat_aux(aux, aux_layers, len(params["layers"]))
     return StepOutput(logits=logits, aux=aux_out, score_q=score_q, score_lse=score_lse), KVCache(
         k=tuple(new_k), v=tuple(new_v))

@@ -423,11 +423,7 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
         x = x + o
         x = x + _moe_block(config, lp, rms_norm_zc(x, lp["mlp_norm"], eps), axis_name)
     logits = _lm_head(config, params, jnp.take_along_axis(x, rows[:, :, None], axis=1), axis_name)
-    aux_out = None
-    if aux_layers:
-        if len(aux) != len(aux_layers):
-            raise ValueError(f"aux layers {aux_layers} must be HF indices in 0..{len(params['layers']) - 1}")
-        aux_out = jnp.concatenate([a for _, a in sorted(aux, key=lambda p: p[0])], axis=-1)
+    aux_out = llama.concat_aux(aux, aux_layers, len(params["layers"]))
     states = None
     if snapshots:
         states = StateSnapshots(conv_q=tuple(s[0] for s in snaps), conv_k=tuple(s[1] for s in snaps),
