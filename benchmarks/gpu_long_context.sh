@@ -20,13 +20,18 @@ RESUME=benchmarks/results/long_context_h200.json
 [ -f "$JSON" ] && RESUME="$JSON"
 FILTER=(grep --line-buffered -v -e "^WARNING: All log messages before absl" -e "^W0000")
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee -a "$LOG"
+STAGES=${STAGES:-1,2}  # e.g. STAGES=1 (then STAGES=2 in a second call, resuming from OUT_DIR's JSON)
 # stage 1: batch 1 at every context (most important first) and the transformers peer (a child process, batch 1)
-python3 benchmarks/long_context.py --contexts 8192,65536,131072,32768 --batches 1 --k 4 --budget 2048 \
+if [[ $STAGES == *1* ]]; then
+  python3 benchmarks/long_context.py --contexts 8192,65536,131072,32768 --batches 1 --k 4 --budget 2048 \
     --chunk 64 --interval 4 --peer --peer-compiled --peer-contexts 8192,65536,131072,32768 \
     --resume "$RESUME" --out "$JSON" "$@" 2>&1 | "${FILTER[@]}" | tee -a "$LOG"
+fi
 [ -f "$JSON" ] && RESUME="$JSON"
 # stage 2: batch 8 in a fresh process. 64K x 8 last: on the H200 it ran out of allocator memory (see the JSON's
 # not_run) and then stalls, retrying, until the command's limit. 128K x 8 (128 GiB of KV) does not fit beside the
 # weights and is recorded as skipped
-python3 benchmarks/long_context.py --contexts 131072,32768,8192,65536 --batches 8 --k 4 --budget 2048 \
+if [[ $STAGES == *2* ]]; then
+  python3 benchmarks/long_context.py --contexts 131072,32768,8192,65536 --batches 8 --k 4 --budget 2048 \
     --chunk 64 --interval 4 --resume "$RESUME" --out "$JSON" "$@" 2>&1 | "${FILTER[@]}" | tee -a "$LOG"
+fi

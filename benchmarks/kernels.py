@@ -103,8 +103,8 @@ def bench_scores(b, s, hq, hkv, d, chunk, sets, quick):
     inputs = []
     for _ in range(sets):
         q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
-        k = jnp.asarray(rng.standard_normal((b, s, hkv, d)), BF16)
-        logits = jnp.einsum("bkgd,bskd->bkgs", q.reshape(b, hkv, hq // hkv, d), k.astype(jnp.float32),
+        k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), BF16)  # the target cache's layout
+        logits = jnp.einsum("bkgd,bksd->bkgs", q.reshape(b, hkv, hq // hkv, d), k.astype(jnp.float32),
                             precision="highest") * d ** -0.5
         lse = jax.nn.logsumexp(logits, axis=-1).reshape(b, hq)  # a true LSE: realistic probabilities
         inputs.append((q, lse, k, jnp.full((b,), s - 1, jnp.int32)))

@@ -101,12 +101,15 @@ def _random_tree(shapes_tree, key):
     return jax.tree_util.tree_unflatten(tree, [_normal_bf16(k, tuple(s)) for k, s in zip(keys, leaves)])
 
 
-def random_target(tcfg, seed=0):
-    """Random bf16 target params made on the device (no host copy of 16 GB); one compile per distinct shape."""
+def random_target(tcfg, seed=0, *, fuse_projections=True):
+    """Random bf16 target params made on the device (no host copy of 16 GB); one compile per distinct shape.
+    ``fuse_projections``: in the serving layout :func:`diffspec_jax.load_target` gives (else the checkpoint
+    layout, which the transformers export reads)."""
     from diffspec_jax.models import llama
     from diffspec_jax.target import TargetModel
 
-    return TargetModel(tcfg, _random_tree(llama.param_shapes(tcfg), jax.random.PRNGKey(seed)))
+    params = _random_tree(llama.param_shapes(tcfg), jax.random.PRNGKey(seed))
+    return TargetModel(tcfg, llama.fuse_projections(tcfg, params) if fuse_projections else params)
 
 
 def random_draft(dcfg, target, seed=0):
@@ -123,7 +126,7 @@ def random_draft(dcfg, target, seed=0):
 
 def weight_hashes(params) -> dict[str, str]:
     """sha256 of a few target leaves (bytes as stored): the peer child checks it rebuilt the same weights."""
-    picks = {"layers.0.wq": params["layers"][0]["wq"], "layers.-1.w_down": params["layers"][-1]["w_down"],
+    picks = {"layers.0.wo": params["layers"][0]["wo"], "layers.-1.w_down": params["layers"][-1]["w_down"],
              "final_norm": params["final_norm"]}
     return {k: hashlib.sha256(np.asarray(jax.device_get(v)).tobytes()).hexdigest() for k, v in picks.items()}
 
@@ -505,7 +508,7 @@ def peer_worker(args) -> int:
     import torch
 
     tcfg, _ = shapes(args.quick)
-    target = random_target(tcfg)
+    target = random_target(tcfg, fuse_projections=False)  # the layout the transformers tensor maps read
     hashes = weight_hashes(target.params)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()

@@ -20,14 +20,14 @@ from diffspec_jax.errors import CheckpointError, DiffspecError
 def hf_to_orbax(src: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
     from diffspec_jax.target import load_target
 
-    model = load_target(src, dtype=dtype)
+    model = load_target(src, dtype=dtype, fuse_projections=False)  # checkpoints keep the HF layout
     return orbax_io.save_orbax(out, model.config.to_hf_dict() | {"dtype": dtype}, model.params)
 
 
 def orbax_to_hf(src: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     from diffspec_jax.target import load_target
 
-    model = load_target(src, dtype="float32" if dtype in (None, "float32") else dtype)
+    model = load_target(src, dtype="float32" if dtype in (None, "float32") else dtype, fuse_projections=False)
     return hf.save_hf(out, model.config, model.params, dtype=dtype or "float32")
 
 

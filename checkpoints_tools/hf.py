@@ -288,6 +288,9 @@ def save_hf(path: str | Path, config: ModelConfig, params: dict, *, dtype: str |
             max_shard_bytes: int | None = None, expert_layout: str = "fused") -> Path:
     """Write a Hugging Face directory (``config.json`` + safetensors) that ``transformers`` loads as is.
 
+    ``params`` may be in the checkpoint or the fused serving layout (:func:`diffspec_jax.models.llama.
+    fuse_projections`); the files hold the checkpoint layout either way.
+
     ``expert_layout`` (Qwen3.5-MoE only): ``"fused"`` (``experts.gate_up_proj`` / ``experts.down_proj``, the
     official layout) or ``"per_expert"`` (``experts.{j}.{gate,up,down}_proj.weight``, what ``save_pretrained``
     writes). A ``Qwen3_5MoeForConditionalGeneration`` is written with its text part only (no vision tower).
@@ -301,7 +304,9 @@ def save_hf(path: str | Path, config: ModelConfig, params: dict, *, dtype: str |
         elif expert_layout != "fused":
             raise ValueError(f"expert_layout must be 'fused' or 'per_expert', got {expert_layout!r}")
     else:
-        tensors = export_tensors(params, llama_tensor_maps(config), np_dtype)
+        from diffspec_jax.models.llama import split_projections
+
+        tensors = export_tensors(split_projections(config, params), llama_tensor_maps(config), np_dtype)
     write_safetensors(path, tensors, max_shard_bytes=max_shard_bytes)
     cfg = config.to_hf_dict()
     if dtype:

@@ -1,6 +1,9 @@
 """Fixed-capacity KV caches as pytrees.
 
-The target cache holds one K and one V buffer per layer, ``[B, S, Hkv, D]``, indexed by **absolute position**.
+The target cache holds one K and one V buffer per layer, ``[B, Hkv, S, D]`` (heads before positions), indexed by
+**absolute position**. Heads-first is the layout the attention products read directly: with positions before
+heads, XLA copies (transposes) every layer's buffers on each step at batch > 1, which cost 3.7x the step time and
+32 GiB of temporaries for a Llama-3.1-8B shape at 32K-64K x 8 on an H200 (``benchmarks/decode_ablation.py``).
 Entries are written with a bounded scatter (positions ``>= S`` are dropped, never clamped onto valid rows) and
 read under a causal position mask, so a buffer never needs clearing: rows beyond a sequence's committed length
 hold stale values (rejected drafts, prompt padding) that are overwritten before any query can see them.
@@ -33,7 +36,7 @@ def round_capacity(capacity: int, tile: int = ATTENTION_TILE) -> int:
 
 
 class _LayerBuffers:
-    """What every cache answers from its first K buffer ``[B, S, Hkv, D]``."""
+    """What every cache answers from its first K buffer ``[B, Hkv, S, D]``."""
 
     k: tuple[jax.Array, ...]
 
@@ -43,7 +46,7 @@ class _LayerBuffers:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[2]
 
 
 @struct.dataclass
@@ -51,7 +54,7 @@ class KVCache(_LayerBuffers):
     """Per-layer K/V buffers.
 
     Attributes:
-        k, v: tuples of ``num_layers`` arrays ``[B, S, Hkv_local, D]`` (``Hkv_local`` is the shard's KV heads).
+        k, v: tuples of ``num_layers`` arrays ``[B, Hkv_local, S, D]`` (``Hkv_local`` is the shard's KV heads).
     """
 
     k: tuple[jax.Array, ...]
@@ -68,7 +71,7 @@ class KVCache(_LayerBuffers):
         if config.is_hybrid:
             raise ValueError(f"{config.architecture} is a hybrid model: create its cache with HybridCache.create or "
                              f"diffspec_jax.cache.create_cache")
-        shape = (batch, round_capacity(capacity), num_kv_heads or config.num_key_value_heads, config.head_dim)
+        shape = (batch, num_kv_heads or config.num_key_value_heads, round_capacity(capacity), config.head_dim)
         layers = range(config.num_hidden_layers)
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers))
 
@@ -78,7 +81,7 @@ class HybridCache(_LayerBuffers):
     """The cache of a hybrid target (Qwen3.5): KV for full-attention layers, conv + recurrent state for DeltaNet.
 
     Attributes:
-        k, v: one ``[B, S, Hkv_local, D]`` buffer per full-attention layer (``k[j]`` belongs to layer
+        k, v: one ``[B, Hkv_local, S, D]`` buffer per full-attention layer (``k[j]`` belongs to layer
             ``full_layers[j]``), position-indexed like :class:`KVCache`.
         conv_q, conv_k, conv_v: one ``[B, kernel - 1, heads_local, head_dim]`` buffer per DeltaNet layer (``j`` ->
             layer ``linear_layers[j]``): the last ``kernel - 1`` pre-conv q / k / v inputs (model dtype).
@@ -107,7 +110,7 @@ class HybridCache(_LayerBuffers):
                num_linear_value_heads: int | None = None) -> HybridCache:
         """Zero-filled cache (zero conv and recurrent states = the state before the first token)."""
         full, linear = config.full_attention_layers, config.linear_attention_layers
-        kv = (batch, round_capacity(capacity), num_kv_heads or config.num_key_value_heads, config.head_dim)
+        kv = (batch, num_kv_heads or config.num_key_value_heads, round_capacity(capacity), config.head_dim)
         w = config.linear_conv_kernel_dim - 1
         hk = num_linear_key_heads or config.linear_num_key_heads
         hv = num_linear_value_heads or config.linear_num_value_heads
@@ -135,9 +138,15 @@ def create_cache(config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloa
                                                                 "the target's linear attention"))
 
 
-def write_rows(buf: jax.Array, rows: jax.Array, positions: jax.Array) -> jax.Array:
-    """Scatter ``rows [B, T, ...]`` into ``buf [B, S, ...]`` at ``positions [B, T]``; out-of-range rows are dropped."""
+def write_rows(buf: jax.Array, rows: jax.Array, positions: jax.Array, *, heads_first: bool = False) -> jax.Array:
+    """Scatter ``rows [B, T, ...]`` into ``buf`` at ``positions [B, T]``; out-of-range rows are dropped.
+
+    ``buf`` is ``[B, S, ...]``, or ``[B, H, S, D]`` when ``heads_first`` (the target cache; ``rows`` stay
+    ``[B, T, H, D]``)."""
     bidx = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], positions.shape)
+    if heads_first:
+        heads = jnp.arange(buf.shape[1])[None, None, :]
+        return buf.at[bidx[:, :, None], heads, positions[:, :, None]].set(rows.astype(buf.dtype), mode="drop")
     return buf.at[bidx, positions].set(rows.astype(buf.dtype), mode="drop")
 
 
@@ -150,9 +159,10 @@ def move_rows(cache: KVCache, start: jax.Array, src: jax.Array) -> KVCache:
             path may hold anything (they land beyond the new committed length, where rows are stale by design).
     """
     dst = start[:, None] + jnp.arange(src.shape[1], dtype=jnp.int32)[None, :]
-    idx = (start[:, None] + src)[:, :, None, None]
+    idx = (start[:, None] + src)[:, None, :, None]
 
-    def move(buf):
-        return write_rows(buf, jnp.take_along_axis(buf, jnp.minimum(idx, buf.shape[1] - 1), axis=1), dst)
+    def move(buf):  # [B, H, S, D]: gather the path's rows as [B, H, R, D], write them back as [B, R, H, D]
+        rows = jnp.take_along_axis(buf, jnp.minimum(idx, buf.shape[2] - 1), axis=2)
+        return write_rows(buf, jnp.swapaxes(rows, 1, 2), dst, heads_first=True)
 
     return cache.replace(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))

@@ -62,7 +62,8 @@ def chunk_scores_reference(q: jax.Array, lse: jax.Array | None, k_cache: jax.Arr
     Args:
         q: float32 ``[B, Hq, D]`` post-RoPE query rows; lse: float32 ``[B, Hq]`` from the verify pass, or
             ``None`` to recompute it over positions ``0..r`` (both give the same scores).
-        k_cache: ``[B, S, Hkv, D]`` post-RoPE keys of the scoring layer; root: int32 ``[B]`` r.
+        k_cache: ``[B, Hkv, S, D]`` post-RoPE keys of the scoring layer (the target cache's layout); root: int32
+            ``[B]`` r.
         chunk: C (``S`` need not be a multiple; the last chunk is partial).
     Returns:
         float32 ``[B, ceil(S / C)]``: mean probability per valid token of each chunk, averaged over query heads;
@@ -75,10 +76,10 @@ def chunk_scores_reference(q: jax.Array, lse: jax.Array | None, k_cache: jax.Arr
 def head_sum_scores(q: jax.Array, lse: jax.Array | None, k_cache: jax.Array, root: jax.Array, chunk: int) -> jax.Array:
     """``sum_h score_h(c)`` over the heads present in ``q`` (the per-shard part of the attention score)."""
     b, hq, d = q.shape
-    s_len, hkv = k_cache.shape[1], k_cache.shape[2]
+    hkv, s_len = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     scale = d ** -0.5
-    logits = jnp.einsum("bkgd,bskd->bkgs", q.reshape(b, hkv, g, d).astype(jnp.float32),
+    logits = jnp.einsum("bkgd,bksd->bkgs", q.reshape(b, hkv, g, d).astype(jnp.float32),
                         k_cache.astype(jnp.float32)) * scale
     valid = jnp.arange(s_len)[None, :] <= root[:, None]  # [B, S]
     if lse is None:

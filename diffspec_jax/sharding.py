@@ -146,12 +146,29 @@ def shard_layout_target(config: ModelConfig, params: dict, tp: int) -> tuple[dic
     check_target(config, tp)
     kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
     col, row = P(None, TP, None), P(TP, None, None)
+    layout = {"wq": col, "wk": col, "wv": col, "wo": row, "w_gate": P(None, TP), "w_up": P(None, TP),
+              "w_down": P(TP, None), "wqkv": P(None, TP, None, None), "w_gate_up": P(None, None, TP)}
     layers, specs = [], []
     for lp in params["layers"]:
-        layers.append({**lp, "wk": _repeat_kv(lp["wk"], kv), "wv": _repeat_kv(lp["wv"], kv)})
-        specs.append({k: {"wq": col, "wk": col, "wv": col, "wo": row, "w_gate": P(None, TP), "w_up": P(None, TP),
-                          "w_down": P(TP, None)}.get(k, P()) for k in lp})
+        if "wqkv" in lp:
+            layers.append({**lp, "wqkv": _regroup_qkv(lp["wqkv"], kv)})
+        else:
+            layers.append({**lp, "wk": _repeat_kv(lp["wk"], kv), "wv": _repeat_kv(lp["wv"], kv)})
+        specs.append({k: layout.get(k, P()) for k in lp})
     return _with_vocab_parallel_ends(params, layers, specs, tp)
+
+
+def _regroup_qkv(w: jax.Array, groups: int) -> jax.Array:
+    """A fused ``wqkv [H, Hkv, G + 2, D]`` (:func:`diffspec_jax.models.llama.fuse_projections`) as ``groups``
+    KV groups: with more groups than KV heads, each head's G queries are split in ``r = groups / Hkv`` parts and
+    every part gets a copy of the head's key and value (the fused form of :func:`_repeat_kv`)."""
+    h, hkv, g2, d = w.shape
+    r = groups // hkv
+    if r == 1:
+        return w
+    q = w[:, :, : g2 - 2].reshape(h, hkv, r, (g2 - 2) // r, d)
+    kv = jnp.broadcast_to(w[:, :, None, g2 - 2:], (h, hkv, r, 2, d))
+    return jnp.concatenate([q, kv], axis=3).reshape(h, groups, (g2 - 2) // r + 2, d)
 
 
 #: per-leaf specs of the Qwen3.5 layers (leaves not named here are replicated)
@@ -184,13 +201,14 @@ def cache_specs(config: ModelConfig, dp: str | None, tp: str | None = TP):
     """PartitionSpecs of the target cache of ``config`` (batch over ``dp``, heads over ``tp``)."""
     from diffspec_jax.cache import HybridCache, KVCache
 
-    heads = P(dp, None, tp, None)
+    heads = P(dp, tp, None, None)  # [B, Hkv, S, D]
     if not config.is_hybrid:
         n = config.num_hidden_layers
         return KVCache(k=(heads,) * n, v=(heads,) * n)
     nf, nl = len(config.full_attention_layers), len(config.linear_attention_layers)
-    return HybridCache(k=(heads,) * nf, v=(heads,) * nf, conv_q=(heads,) * nl, conv_k=(heads,) * nl,
-                       conv_v=(heads,) * nl, ssm=(P(dp, tp, None, None),) * nl,
+    conv = P(dp, None, tp, None)  # [B, kernel - 1, heads, head_dim]
+    return HybridCache(k=(heads,) * nf, v=(heads,) * nf, conv_q=(conv,) * nl, conv_k=(conv,) * nl,
+                       conv_v=(conv,) * nl, ssm=(P(dp, tp, None, None),) * nl,
                        full_layers=config.full_attention_layers, linear_layers=config.linear_attention_layers)
 
 

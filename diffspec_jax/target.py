@@ -67,7 +67,7 @@ def abstract_params(config: ModelConfig, dtype) -> llama.Params:
                                   is_leaf=llama.is_shape)
 
 
-def load_target(path: str | Path, dtype: Any = "bfloat16") -> TargetModel:
+def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: bool = True) -> TargetModel:
     """Load a target from a Hugging Face directory or an Orbax checkpoint written by ``checkpoints_tools``.
 
     Supported: ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` and the Qwen3.5 hybrid MoE family
@@ -78,6 +78,9 @@ def load_target(path: str | Path, dtype: Any = "bfloat16") -> TargetModel:
         path: directory with ``config.json`` and ``model.safetensors`` / ``model.safetensors.index.json``, or an
             Orbax checkpoint directory.
         dtype: parameter dtype, ``"bfloat16"`` (default) or ``"float32"``.
+        fuse_projections: serve Llama / Qwen3 layers with fused q/k/v and gate/up weights
+            (:func:`diffspec_jax.models.llama.fuse_projections`, faster decode; default). ``False`` keeps the
+            checkpoint layout (what ``checkpoints_tools convert`` stores).
     Raises:
         CheckpointError: missing directory / files / tensors, or shapes that do not match ``config.json``.
         UnsupportedModelError: architecture, RoPE type or feature not supported.
@@ -91,6 +94,8 @@ def load_target(path: str | Path, dtype: Any = "bfloat16") -> TargetModel:
         params = orbax_io.load_orbax(path, abstract_params(config, dtype))
     else:
         params = hf.load_hf_params(path, config, dtype)
+    if fuse_projections and config.family == "llama":
+        params = llama.fuse_projections(config, params)
     return TargetModel(config=config, params=params, path=str(path))
 
 

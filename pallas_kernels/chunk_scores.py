@@ -3,7 +3,8 @@
 Inputs:
     q: float32 ``[B, Hq, D]`` post-RoPE query rows of the scoring layer (the last committed position).
     lse: float32 ``[B, Hq]`` their log-sum-exp over positions ``0..r`` (from the verify pass).
-    k_cache: ``[B, S, Hkv, D]`` post-RoPE keys of that layer (bf16 or float32), ``Hq % Hkv == 0``.
+    k_cache: ``[B, Hkv, S, D]`` post-RoPE keys of that layer (the target cache's layout; bf16 or float32),
+        ``Hq % Hkv == 0``.
     root: int32 ``[B]`` the root position r; keys past it contribute nothing.
     chunk: C, a power of two.
 Output:
@@ -49,7 +50,7 @@ def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, tiles, chunk, se
         start = (t * tiles + i) * block
         pos = start + jnp.arange(block)
         visible = (pos <= root) & (pos < seq_len)  # masked-off rows are not read
-        k = plgpu.load(k_ref.at[b, pos[:, None], g, d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
+        k = plgpu.load(k_ref.at[b, g, pos[:, None], d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
         logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * (head_dim ** -0.5)
         p = jnp.where(in_group[:, None] & visible[None, :], jnp.exp(logits - lse[:, None]), 0.0)
         sums = jnp.sum(jnp.sum(p, axis=0).reshape(per_tile, chunk), axis=1)
@@ -66,7 +67,7 @@ def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, tiles, chunk, se
 def chunk_scores(q, lse, k_cache, root, *, chunk, block=128, tiles=8):
     """Head-summed chunk scores (see the module docstring for shapes, dtypes and semantics)."""
     b, hq, d = q.shape
-    s, hkv = k_cache.shape[1], k_cache.shape[2]
+    hkv, s = k_cache.shape[1], k_cache.shape[2]
     if chunk & (chunk - 1):
         raise ValueError(f"the Pallas chunk_scores kernel needs a power-of-two chunk size, got {chunk}")
     block = max(block, chunk)

@@ -2,7 +2,10 @@
 
 import json
 
+import numpy as np
 import pytest
+
+from conftest import rel_err
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +92,27 @@ def test_long_context_anatomy_quick(tmp_path):
         assert case[key] > 0, key
     assert set(case["projected_speedup"]) == {"1.5", "2.0", "3.0", "4.0"}
     assert "random" in data["weights"]
+
+
+def test_decode_ablation_variants_agree_and_report(tmp_path):
+    """Every layout / projection variant of the ablation computes the same step (same weights, same cache values in
+    either layout); the quick run reports times and compiled memory for each."""
+    import jax.numpy as jnp
+
+    from benchmarks import decode_ablation as da, long_context
+
+    cfg, _ = long_context.shapes(True)
+    params = long_context.random_target(cfg).params
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 3)), jnp.int32)
+    start = jnp.asarray([40, 77], jnp.int32)
+    logits = {v: np.asarray(da.variant_call(cfg, v, params, 2, 256)[0](toks, start)) for v in da.VARIANTS}
+    for v, lg in logits.items():
+        assert lg.shape == (2, 1, cfg.vocab_size)
+        assert rel_err(lg, logits["library"]) < 2e-2, v  # bf16 weights: products may round differently
+    out = tmp_path / "abl.json"
+    assert da.main(["--quick", "--cases", "256x2", "--memory", "256x2", "--trace", "", "--repeats", "1",
+                    "--inner", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {(r["variant"], r["tokens"]) for r in data["times"] if r.get("ms", 0) > 0} == {
+        (v, t) for v in da.VARIANTS for t in (1, 5)}
+    assert {r["variant"] for r in data["memory"]} == set(da.VARIANTS)

@@ -60,10 +60,10 @@ def test_chunk_scores(dtype, chunk):
     rng = np.random.default_rng(chunk)
     b, hq, hkv, d, s = 4, 8, 2, 32, 300  # GQA 4:1; 300 is not a multiple of the 256 tile nor of the chunk
     q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((b, s, hkv, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)  # the target cache's layout
     root = jnp.asarray([299, 150, 0, 70])
     lse = jax.nn.logsumexp(jnp.where(jnp.arange(s)[None, None, :] <= root[:, None, None],
-                                     jnp.einsum("bkgd,bskd->bkgs", q.reshape(b, hkv, 4, d),
+                                     jnp.einsum("bkgd,bksd->bkgs", q.reshape(b, hkv, 4, d),
                                                 k.astype(jnp.float32)).reshape(b, hq, s) * d ** -0.5, -jnp.inf),
                            axis=-1)
     ours = chunk_scores(q, lse, k, root, chunk=chunk)

@@ -40,6 +40,12 @@ def test_tiled_and_dense_attention_match_numpy(tile):
     out_t, lse_t = attention_tiled(f32(q), f32(k), f32(v), jnp.asarray(q_pos), d ** -0.5, tile)
     np.testing.assert_allclose(out_t, ref_out, atol=2e-5)
     np.testing.assert_allclose(lse_t, ref_lse, atol=2e-5)
+    kh, vh = f32(k.swapaxes(1, 2)), f32(v.swapaxes(1, 2))  # the target cache's heads-first layout
+    out_h, lse_h = attention_dense(f32(q), kh, vh, causal_mask(jnp.asarray(q_pos), s), d ** -0.5, heads_first=True)
+    out_ht, lse_ht = attention_tiled(f32(q), kh, vh, jnp.asarray(q_pos), d ** -0.5, tile, heads_first=True)
+    for o, lse_ in ((out_h, lse_h), (out_ht, lse_ht)):
+        np.testing.assert_allclose(o, ref_out, atol=2e-5)
+        np.testing.assert_allclose(lse_, ref_lse, atol=2e-5)
 
 
 def test_tiled_attention_never_reads_past_the_last_query():

@@ -50,8 +50,8 @@ def test_scores_match_dense_softmax_reference(external_lse):
         logits = np.where(np.arange(s_len)[None, None, None, :] <= root[:, None, None, None], logits, -np.inf)
         m = logits.max(-1, keepdims=True)
         lse = jnp.asarray((m[..., 0] + np.log(np.exp(logits - m).sum(-1))).reshape(b, hq), jnp.float32)
-    ours = chunk_scores_reference(jnp.asarray(q, jnp.float32), lse, jnp.asarray(k, jnp.float32),
-                                  jnp.asarray(root), chunk)
+    ours = chunk_scores_reference(jnp.asarray(q, jnp.float32), lse, jnp.asarray(k.swapaxes(1, 2), jnp.float32),
+                                  jnp.asarray(root), chunk)  # the target cache's [B, Hkv, S, D] layout
     np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-6, rtol=1e-4)
     assert np.asarray(ours)[2, 1:].max() == 0  # chunks past the root score 0
     np.testing.assert_allclose(np.asarray(ours).sum(-1) * 0, 0)

@@ -25,6 +25,11 @@ torch.set_num_threads(2)
 DTYPES = {"float32": (torch.float32, jnp.float32, 2e-5), "bfloat16": (torch.bfloat16, jnp.bfloat16, 1e-2)}
 
 
+def heads_first(k) -> jnp.ndarray:
+    """The bridge's ``[B, S, Hkv, D]`` keys in the JAX target cache's ``[B, Hkv, S, D]`` layout."""
+    return jnp.swapaxes(jnp.asarray(k), 1, 2)
+
+
 def pair(a: np.ndarray, dtype: str = "float32"):
     """The same values as a torch tensor and a JAX array (rounded to ``dtype`` once, identically)."""
     t = torch.as_tensor(np.asarray(a, np.float32)).to(DTYPES[dtype][0])
@@ -96,11 +101,11 @@ def test_contiguous_chunk_scores_match_jax(dtype, external_lse):
         m = ref_logits.max(-1, keepdims=True)
         lse = (m[..., 0] + np.log(np.exp(ref_logits - m).sum(-1))).reshape(b, hq)
         lse_t, lse_j = torch.as_tensor(lse, dtype=torch.float32), jnp.asarray(lse, jnp.float32)
-    ref = chunk_scores_reference(q_j, lse_j, k_j, jnp.asarray(root), chunk)
+    ref = chunk_scores_reference(q_j, lse_j, heads_first(k_j), jnp.asarray(root), chunk)
     for tile in (tb.ops.SCORE_TILE, 7):  # one tile, and many uneven ones
         close(tb.chunk_scores(q_t, lse_t, k_t, torch.as_tensor(root), chunk, tile=tile), ref)
-    close(tb.head_sum_scores(q_t, lse_t, k_t, root, chunk), jax_head_sum_scores(q_j, lse_j, k_j, jnp.asarray(root),
-                                                                                 chunk))
+    close(tb.head_sum_scores(q_t, lse_t, k_t, root, chunk),
+          jax_head_sum_scores(q_j, lse_j, heads_first(k_j), jnp.asarray(root), chunk))
 
 
 def paged_layout(rng, k: np.ndarray, root: np.ndarray, block: int, extra_blocks: int = 3):
@@ -138,7 +143,7 @@ def test_paged_chunk_scores_match_jax_on_the_described_cache(dtype, external_lse
         m = logits.max(-1, keepdims=True)
         lse = (m[..., 0] + np.log(np.exp(logits - m).sum(-1))).reshape(b, hq)
         lse_t, lse_j = torch.as_tensor(lse, dtype=torch.float32), jnp.asarray(lse, jnp.float32)
-    ref = chunk_scores_reference(q_j, lse_j, k_j, jnp.asarray(root), chunk)
+    ref = chunk_scores_reference(q_j, lse_j, heads_first(k_j), jnp.asarray(root), chunk)
     for tile in (tb.ops.SCORE_TILE, 5):
         close(tb.paged_chunk_scores(q_t, lse_t, pool_t, torch.as_tensor(table), torch.as_tensor(root), chunk,
                                     tile=tile), ref)
@@ -384,7 +389,7 @@ def test_runtime_cadence_counters_and_selection_match_the_references():
     q, keys = scoring_inputs(rng, 2)
     assert rt.on_prefill_done(rids, [roots[r] for r in rids], query=q, keys=keys) == [False, True]
     expected_anchor = np.asarray(jax_select(chunk_scores_reference(jnp.asarray(q.numpy()[1:]), None,
-                                                                  jnp.asarray(keys.numpy()[1:]), jnp.asarray([49]), 4),
+                                                                  heads_first(keys.numpy()[1:]), jnp.asarray([49]), 4),
                                             jnp.asarray([49]), 4, 7, False))
     assert rt._anchors[0].tolist() == expected_anchor[0].tolist()
     history = {"long": [], "short": []}
@@ -411,7 +416,7 @@ def test_runtime_cadence_counters_and_selection_match_the_references():
             history[r].append((cycle, new[r], due[i]))
             if due[i]:
                 ref = jax_select(chunk_scores_reference(jnp.asarray(q.numpy()[i:i + 1]), None,
-                                                        jnp.asarray(keys.numpy()[i:i + 1]), jnp.asarray([new[r]]), 4),
+                                                        heads_first(keys.numpy()[i:i + 1]), jnp.asarray([new[r]]), 4),
                                  jnp.asarray([new[r]]), 4, 7, False)
                 assert rt._anchors[rt.slot_of(r)].tolist() == np.asarray(ref)[0].tolist()
         roots = new

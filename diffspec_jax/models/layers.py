@@ -63,17 +63,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, *, interleaved: boo
     return jnp.concatenate([out.astype(x.dtype), rest], axis=-1) if rest.shape[-1] else out.astype(x.dtype)
 
 
+def _dot_operands(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    """Operands of a float32-accumulating product: as they are, except on the CPU, where half-precision ones are
+    widened to float32 (exactly) because XLA:CPU's library dot refuses ``bf16 x bf16 -> f32``, which it picks for
+    the heads-first cache products once the cache is large enough."""
+    if jax.default_backend() != "cpu":
+        return xs
+    return tuple(x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x for x in xs)
+
+
 def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
     b, t, hq, d = q.shape
     return q.reshape(b, t, num_kv_heads, hq // num_kv_heads, d)
 
 
-def attention_dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float
-                    ) -> tuple[jax.Array, jax.Array]:
+def attention_dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, *,
+                    heads_first: bool = False) -> tuple[jax.Array, jax.Array]:
     """Grouped-query attention over all keys with an explicit mask (the reference form).
 
     Args:
-        q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0``.
+        q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0`` (``[B, Hkv, S, D]`` when
+            ``heads_first``: the target cache's layout, whose batch and head axes lead so that the two products
+            need no transposed copy of the cache).
         mask: bool ``[B, T, S]``, true where query t may attend key s. Every row needs one true entry.
         scale: softmax scale (``1/sqrt(D)``).
     Returns:
@@ -81,13 +92,14 @@ def attention_dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, s
         masked logits of each query row and head.
     """
     b, t, hq, d = q.shape
-    hkv = k.shape[2]
+    hkv = k.shape[1 if heads_first else 2]
     qg = _grouped(q, hkv)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    kv = "bksd" if heads_first else "bskd"
+    s = jnp.einsum(f"btkgd,{kv}->bkgts", *_dot_operands(qg, k), preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - lse[..., None])
-    out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum(f"bkgts,{kv}->btkgd", *_dot_operands(p.astype(v.dtype), v), preferred_element_type=jnp.float32)
     lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq)
     return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype), lse
 
@@ -97,8 +109,8 @@ def causal_mask(q_pos: jax.Array, num_keys: int) -> jax.Array:
     return jnp.arange(num_keys)[None, None, :] <= q_pos[:, :, None]
 
 
-def attention_tiled(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float, tile: int
-                    ) -> tuple[jax.Array, jax.Array]:
+def attention_tiled(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float, tile: int, *,
+                    heads_first: bool = False) -> tuple[jax.Array, jax.Array]:
     """Causal GQA over a position-indexed cache, key tile by key tile (online softmax).
 
     Never materialises more than ``[B, Hq, T, tile]`` scores, and visits only the tiles up to the largest
@@ -106,10 +118,13 @@ def attention_tiled(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, 
     ``mask = causal_mask(q_pos, S)``.
 
     Args:
-        q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]``, ``S % tile == 0``; q_pos: int ``[B, T]``.
+        q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]`` (``[B, Hkv, S, D]`` when ``heads_first``),
+            ``S % tile == 0``; q_pos: int ``[B, T]``.
     """
     b, t, hq, d = q.shape
-    s_len, hkv = k.shape[1], k.shape[2]
+    seq_axis = 2 if heads_first else 1
+    s_len, hkv = k.shape[seq_axis], k.shape[3 - seq_axis]
+    kv = "bksd" if heads_first else "bskd"
     g = hq // hkv
     if s_len % tile:
         raise ValueError(f"cache length {s_len} is not a multiple of the attention tile {tile}")
@@ -120,16 +135,16 @@ def attention_tiled(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, 
     def body(i, carry):
         m, l, acc = carry
         start = i * tile
-        kt = jax.lax.dynamic_slice_in_dim(k, start, tile, axis=1)
-        vt = jax.lax.dynamic_slice_in_dim(v, start, tile, axis=1)
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, kt, preferred_element_type=jnp.float32) * scale
+        kt = jax.lax.dynamic_slice_in_dim(k, start, tile, axis=seq_axis)
+        vt = jax.lax.dynamic_slice_in_dim(v, start, tile, axis=seq_axis)
+        s = jnp.einsum(f"btkgd,{kv}->bkgts", *_dot_operands(qg, kt), preferred_element_type=jnp.float32) * scale
         visible = (start + jnp.arange(tile))[None, None, None, None, :] <= qp
         s = jnp.where(visible, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("bkgts,bskd->bkgtd", p.astype(v.dtype), vt,
+        acc = acc * corr[..., None] + jnp.einsum(f"bkgts,{kv}->bkgtd", *_dot_operands(p.astype(v.dtype), vt),
                                                  preferred_element_type=jnp.float32)
         return m_new, l, acc
 
