@@ -4,10 +4,11 @@
 #   bash benchmarks/gpu_long_context.sh OUT_DIR [more long_context.py arguments, e.g. --time-budget-s 400]
 # Writes OUT_DIR/long_context_h200.{json,png} (rewritten after every case) and OUT_DIR/long_context_log.txt.
 # A JSON already at benchmarks/results/long_context_h200.json is resumed: its cases and peer contexts are kept and
-# skipped, so a second call finishes what a first one left (delete it, or pass --resume '', for a fresh run).
-# The whole run takes about 11 minutes on an H200 (model setup ~10 s per process, ~45 s per batch-1 case,
-# 60-80 s per batch-8 case, ~45 s per peer context, most of it torch.compile); with a 10-minute limit per
-# command, run it twice (the second call resumes).
+# skipped, so a second call finishes what a first one left (move it away for a fresh run: its --resume would
+# otherwise win over a later one). The whole run takes about 11 minutes on an H200 (model setup ~10 s per process,
+# ~45 s per batch-1 case, 60-80 s per batch-8 case, ~45 s per peer context, most of it torch.compile); with a
+# 10-minute limit per command, run STAGES=1 (batch 1 + peer, ~7.5 min) in one call and STAGES=2 (batch 8, resuming
+# from the first call's JSON copied to benchmarks/results/) in the next.
 set -u -o pipefail
 OUT=${1:-benchmarks/results}
 shift || true
@@ -29,8 +30,8 @@ if [[ $STAGES == *1* ]]; then
 fi
 [ -f "$JSON" ] && RESUME="$JSON"
 # stage 2: batch 8 in a fresh process. 64K x 8 last: on the H200 it ran out of allocator memory (see the JSON's
-# not_run) and then stalls, retrying, until the command's limit. 128K x 8 (128 GiB of KV) does not fit beside the
-# weights and is recorded as skipped
+# not_run; twice, also with the heads-first cache) and can then stall, retrying, until the command's limit.
+# 128K x 8 (128 GiB of KV) does not fit beside the weights and is recorded as skipped
 if [[ $STAGES == *2* ]]; then
   python3 benchmarks/long_context.py --contexts 131072,32768,8192,65536 --batches 8 --k 4 --budget 2048 \
     --chunk 64 --interval 4 --resume "$RESUME" --out "$JSON" "$@" 2>&1 | "${FILTER[@]}" | tee -a "$LOG"

@@ -109,7 +109,7 @@ def random_target(tcfg, seed=0, *, fuse_projections=True):
     from diffspec_jax.target import TargetModel
 
     params = _random_tree(llama.param_shapes(tcfg), jax.random.PRNGKey(seed))
-    return TargetModel(tcfg, llama.fuse_projections(tcfg, params) if fuse_projections else params)
+    return TargetModel(tcfg, llama.fuse_layers_in_place(params) if fuse_projections else params)
 
 
 def random_draft(dcfg, target, seed=0):

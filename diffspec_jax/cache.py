@@ -2,8 +2,8 @@
 
 The target cache holds one K and one V buffer per layer, ``[B, Hkv, S, D]`` (heads before positions), indexed by
 **absolute position**. Heads-first is the layout the attention products read directly: with positions before
-heads, XLA copies (transposes) every layer's buffers on each step at batch > 1, which cost 3.7x the step time and
-32 GiB of temporaries for a Llama-3.1-8B shape at 32K-64K x 8 on an H200 (``benchmarks/decode_ablation.py``).
+heads, XLA copies (transposes) every layer's buffers on each step at batch > 1: for Llama-3.1-8B shapes on an
+H200, a 3.7x slower step at 32K x 8 and 32 GiB of temporaries at 64K x 8 (``benchmarks/decode_ablation.py``).
 Entries are written with a bounded scatter (positions ``>= S`` are dropped, never clamped onto valid rows) and
 read under a causal position mask, so a buffer never needs clearing: rows beyond a sequence's committed length
 hold stale values (rejected drafts, prompt padding) that are overwritten before any query can see them.

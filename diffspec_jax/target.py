@@ -95,7 +95,7 @@ def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: 
     else:
         params = hf.load_hf_params(path, config, dtype)
     if fuse_projections and config.family == "llama":
-        params = llama.fuse_projections(config, params)
+        params = llama.fuse_layers_in_place(params)
     return TargetModel(config=config, params=params, path=str(path))
 
 
