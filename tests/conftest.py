@@ -16,6 +16,29 @@ import pytest  # noqa: E402
 
 ARCHS = ("llama", "qwen3")
 
+#: memory mappings after which compiled executables are dropped between test modules (Linux's default limit,
+#: vm.max_map_count, is 65530; each XLA:CPU executable holds about three, and the whole suite compiles enough of
+#: them to pass the limit, where XLA's compiler segfaults on a failed mmap)
+MAX_MAPPINGS = 24000
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: nothing to watch
+        return 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_compiled_code():
+    """Drop JAX's compiled executables after a module when the process holds many memory mappings."""
+    yield
+    if _mappings() > MAX_MAPPINGS:
+        import jax
+
+        jax.clear_caches()
+
 
 def rel_err(actual, expected) -> float:
     """max |actual - expected| / max |expected| (a norm-relative error; elementwise ratios blow up near 0)."""
