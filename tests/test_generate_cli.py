@@ -133,3 +133,10 @@ def test_text_prompt_chat_template_and_streamed_text(tmp_path, capsys):
     code, out = run_cli(["--target", str(target), "--draft", str(draft), "--prompt", "w1 w2", "--max-new-tokens",
                          "5", "--ignore-eos", "--dtype", "float32", "--no-progress"], capsys)
     assert code == 0 and len(out.out.split()) == 5 and all(w.startswith("w") for w in out.out.split())
+
+
+def test_auto_dtype_is_float32_on_the_cpu():
+    from diffspec_jax.generate import resolve_dtype_arg
+
+    assert resolve_dtype_arg("auto") == "float32"  # the suite runs on the CPU (conftest)
+    assert resolve_dtype_arg("bfloat16") == "bfloat16"
