@@ -140,3 +140,41 @@ def test_auto_dtype_is_float32_on_the_cpu():
 
     assert resolve_dtype_arg("auto") == "float32"  # the suite runs on the CPU (conftest)
     assert resolve_dtype_arg("bfloat16") == "bfloat16"
+
+
+def test_divergence_reports_the_targets_logit_gap(random_pair, capsys, monkeypatch):
+    """--compare explains a greedy mismatch by the target's own logit gap at the first differing token (a near-tie
+    or not), and a mismatch that is not a near-tie fails the command."""
+    import importlib
+
+    cli = importlib.import_module("diffspec_jax.generate")
+    target_dir, draft = random_pair
+    model = load_target(target_dir, dtype="float32")
+    prompt = [5, 6, 7, 8, 9, 10]
+    base = list(prompt)
+    for _ in range(6):
+        base.append(int(np.argmax(np.asarray(forward(model, [base]))[0, -1])))
+    base = base[len(prompt):]
+    logits = np.asarray(forward(model, [prompt + base[:3]]))[0, -1].astype(np.float64)
+    runner_up = int(np.argsort(logits)[-2])
+    ours = base[:3] + [runner_up] + base[4:]
+    div = cli.divergence(model, prompt, base, ours)
+    assert div["new_token"] == 3 and div["target_only"] == base[3] and div["speculative"] == runner_up
+    assert div["logit_gap"] == pytest.approx(logits[base[3]] - logits[runner_up], abs=1e-4)
+    assert div["near_tie"] == (div["logit_gap"] <= cli.NEAR_TIE_LOGIT_GAP)
+    assert cli.divergence(model, prompt, base, list(base)) is None
+    # through the CLI: a speculative run that emits a wrong token is reported and fails (exit 1)
+    real_generate = cli.engine.generate
+
+    def corrupt(target, draft_model, prompts, **kw):
+        res = real_generate(target, draft_model, prompts, **kw)
+        if draft_model is not None:
+            res.tokens[0][2] = (res.tokens[0][2] + 7) % model.config.vocab_size
+        return res
+
+    monkeypatch.setattr(cli.engine, "generate", corrupt)
+    code, out = run_cli(["--target", str(target_dir), "--draft", str(draft), "--prompt-ids", "5,6,7,8,9,10",
+                         "--max-new-tokens", "6", "--ignore-eos", "--compare", "--no-progress", "--dtype", "float32"],
+                        capsys)
+    assert "first divergence at new token 2" in out.err
+    assert code == (0 if "near-tie, not" in out.err else 1)
