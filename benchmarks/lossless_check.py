@@ -24,10 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, write_json  # noqa: E402
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+from diffspec_jax.generate import first_divergence  # noqa: E402
 
 
 def tie_gap(target_f32, prompt: list[int], prefix: list[int], tok_a: int, tok_b: int) -> dict:

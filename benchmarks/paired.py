@@ -92,7 +92,8 @@ def run_method(method, target, draft, prompts, args):
 
 def check_equal(base, out, target_f32, prompts, tol):
     """None when identical; else a list of divergences, each with its float32 logit gap and near-tie verdict."""
-    from benchmarks.lossless_check import first_divergence, tie_gap
+    from benchmarks.lossless_check import tie_gap
+    from diffspec_jax.generate import first_divergence
 
     problems = []
     for i, (a, b) in enumerate(zip(base, out)):

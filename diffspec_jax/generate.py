@@ -25,6 +25,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 
 from diffspec_jax import engine
 from diffspec_jax.config import SamplingConfig, SpecConfig
@@ -197,15 +198,18 @@ def main(argv: list[str] | None = None) -> int:
 NEAR_TIE_LOGIT_GAP = 0.05
 
 
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where two token lists differ (``None`` when they agree on their common length)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def divergence(target, prompt: list[int], base: list[int], ours: list[int]) -> dict | None:
     """Where greedy speculative output ``ours`` first differs from target-only output ``base`` (``None`` when no
     token differs), and the gap there between the two tokens' logits of the target itself (one prefill of the prompt
     and the agreed prefix, in the target's dtype)."""
-    import numpy as np
-
     from diffspec_jax import target as tgt
 
-    j = next((i for i, (x, y) in enumerate(zip(base, ours)) if x != y), None)
+    j = first_divergence(base, ours)
     if j is None:
         return None
     ids = list(prompt) + list(base[:j])
