@@ -5,7 +5,9 @@
     python benchmarks/paired.py --target T --draft D ...           # any pair
 
 Methods: ``target`` (autoregressive, the reference), ``eagle3-full``, ``eagle3-recent``, ``diffspec``. For each
-context length the same prompts (random windows of held-out text, hashes recorded) go through every method; after
+context length the same prompts (``--workload``: ``windows``, random windows of the held-out packages, or
+``recall``, windows that end by re-emitting a file they hold at least 3/4 of the context back; see
+:func:`diffspec_jax.corpus.held_out_prompts`; hashes recorded) go through every method; after
 one warm-up of each, repeats are interleaved ABBA (A B C D, D C B A, ...) so drift hits every method alike. Greedy
 output of every method must equal ``target``'s: a mismatch fails the run (exit status 1), unless
 ``--tie-tolerance`` is given, in which case a divergence is accepted only at a numerical near-tie (the two tokens'
@@ -48,7 +50,8 @@ def file_hashes(path: Path) -> dict[str, str]:
 
 
 def build_prompts(ids: np.ndarray, context: int, count: int, seed: int) -> list[list[int]]:
-    """``count`` windows of ``context`` tokens at seeded random offsets of ``ids``."""
+    """``count`` windows of ``context`` tokens at seeded random offsets of ``ids`` (``--prompt-source`` files and
+    ``--random-prompts``)."""
     if len(ids) < context:
         raise SystemExit(f"the prompt source has {len(ids)} tokens, fewer than the context {context}")
     rng = np.random.default_rng(seed)
@@ -71,7 +74,7 @@ def run_method(method, target, draft, prompts, args):
     spec = dj.SpecConfig(num_speculative_tokens=args.k,
                          draft_context_policy=POLICY.get(method.removesuffix("-tree"), "full"),
                          diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
-                         diffspec_retrieval_interval=args.interval,
+                         diffspec_retrieval_interval=args.interval, diffspec_scoring_layer=args.scoring_layer,
                          diffspec_verification_mode="tree" if tree else "auto",
                          diffspec_max_tree_nodes=args.tree_nodes, diffspec_tree_topk=args.tree_topk)
     t0 = time.perf_counter()
@@ -156,8 +159,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=None, help="target directory (default: the demo pair)")
     ap.add_argument("--draft", default=None)
-    ap.add_argument("--prompt-source", default=None, help="text file the prompts are cut from (default: the demo "
-                                                          "prompt; with --prompt-ids-source random ids)")
+    ap.add_argument("--prompt-source", default=None, help="a text file to cut windows from instead of the held-out "
+                                                          "packages of the demo pair's corpus")
+    ap.add_argument("--workload", default="windows", choices=("windows", "recall"),
+                    help="held-out prompts: random windows, or windows that end re-emitting a file far back")
     ap.add_argument("--random-prompts", action="store_true", help="prompts of random token ids (random models)")
     ap.add_argument("--contexts", default="2048,8192,16384")
     ap.add_argument("--prompts", type=int, default=3)
@@ -171,6 +176,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--interval", type=int, default=4)
+    ap.add_argument("--scoring-layer", type=int, default=None, help="target layer that scores chunks (default: last)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tie-tolerance", type=float, default=None)
     ap.add_argument("--seed", type=int, default=0)
@@ -182,6 +188,7 @@ def main(argv=None) -> int:
     args.methods = methods
     import diffspec_jax as dj
     from diffspec_jax import demo
+    from diffspec_jax.corpus import copied_fraction, held_out_prompts
 
     tdir = Path(args.target) if args.target else demo.target_dir()
     ddir = Path(args.draft) if args.draft else (demo.draft_dir() if not args.target else None)
@@ -191,19 +198,27 @@ def main(argv=None) -> int:
     draft = dj.load_draft(ddir, target)
     target_f32 = dj.load_target(tdir, dtype="float32") if args.tie_tolerance is not None else None
     contexts = [int(c) for c in args.contexts.split(",")]
+    docs = None  # held-out documents, unless prompts come from random ids or a text file
     if args.random_prompts:
         source = np.random.default_rng(args.seed).integers(0, target.config.vocab_size, max(contexts) * 4)
         input_desc = {"kind": "random token ids", "seed": args.seed}
     else:
         from transformers import AutoTokenizer
 
-        text = Path(args.prompt_source).read_text() if args.prompt_source else demo.prompt_text()
         tok = AutoTokenizer.from_pretrained(tdir)
-        source = np.asarray(tok(text)["input_ids"])
-        if len(source) < max(contexts):  # repeat the held-out text to reach the longest context
-            source = np.tile(source, -(-max(contexts) // len(source)))
-        input_desc = {"kind": "windows of held-out text", "source": args.prompt_source or "demo prompt",
-                      "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": int(len(source))}
+        if args.prompt_source:
+            text = Path(args.prompt_source).read_text()
+            source = np.asarray(tok(text)["input_ids"])
+            input_desc = {"kind": "windows of a text file", "source": args.prompt_source,
+                          "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": int(len(source))}
+        else:
+            from diffspec_jax.corpus import build_corpus
+
+            corpus = build_corpus()
+            docs = [d for d in corpus.held_out if d.name != "argparse"]  # argparse: the demo prompt's package
+            input_desc = {"kind": f"held-out packages, workload {args.workload!r}", "python": corpus.manifest["python"],
+                          "held_out_sha256": corpus.manifest["held_out_sha256"],
+                          "packages": [d.name for d in docs]}
     block = max(args.k, args.tree_nodes if any(m.endswith("-tree") for m in methods) else 0)
     args.cache_len = max(contexts) + args.new_tokens + block + 1
     payload = {"benchmark": "paired speculative decoding", "environment": environment(sys.argv),
@@ -214,9 +229,17 @@ def main(argv=None) -> int:
                f"near-ties within {args.tie_tolerance} allowed"}
     failed = False
     for ctx in contexts:
-        prompts = build_prompts(source, ctx, args.prompts, args.seed + ctx)
+        held = None
+        if docs is not None:
+            held = held_out_prompts(tok, docs, ctx, args.prompts, args.seed + ctx, args.workload,
+                                    new_tokens=args.new_tokens)
+            prompts = [p.ids for p in held]
+        else:
+            prompts = build_prompts(source, ctx, args.prompts, args.seed + ctx)
         case = {"context": ctx, "prompt_sha256": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
                 "methods": {}, "mismatches": {}}
+        if held is not None:
+            case["prompts"] = [p.describe() for p in held]
         for m in methods:  # warm-up: compile every method once
             run_method(m, target, draft, prompts, args)
         rows = {m: [] for m in methods}
@@ -227,6 +250,9 @@ def main(argv=None) -> int:
                 tokens, row = run_method(m, target, draft, prompts, args)
                 rows[m].append(row)
                 outputs[m] = tokens
+        if held is not None and args.workload == "recall":
+            # how much of the re-emitted files target-only decoding copies verbatim
+            case["target_copied_fraction"] = copied_fraction(outputs["target"], held)
         for m in methods:
             case["methods"][m] = summarise(rows[m])
             if m != "target":

@@ -7,15 +7,25 @@ sequence is repository-level context. A fixed set of packages is held out for ev
 
 Every corpus records the Python version, the file list of each split and a sha256 of each split's text, so a
 result can be traced to the exact data.
+
+:func:`held_out_prompts` cuts evaluation prompts from the held-out packages, for two workloads:
+
+* ``windows``: random windows of a package (natural code; most of what predicts the next token is local);
+* ``recall``: a window that ends by starting to re-emit a file it contains, at least 3/4 of the context back
+  (``# file: <path>`` and the file's first tokens), as when a model is asked to rewrite a file of its context. The
+  continuation a copying model writes comes from far back, beyond a sliding window's reach.
 """
 
 from __future__ import annotations
 
 import hashlib
 import platform
+import re
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 #: packages held out of training (evaluation prompts and the demo prompt come from these)
 HELD_OUT = ("argparse", "csv", "email", "http", "json", "logging", "tarfile")
@@ -112,3 +122,98 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                                    pad_token="<|pad|>", model_max_length=1 << 20, clean_up_tokenization_spaces=False)
+
+
+#: the workloads of :func:`held_out_prompts`
+WORKLOADS = ("windows", "recall")
+
+
+@dataclass
+class Prompt:
+    """One evaluation prompt: ``ids`` (``context`` token ids) cut from held-out document ``doc`` at token
+    ``start``. Recall prompts also name the file being re-emitted: ``source`` is the token where the file starts in
+    the document (its copy in the prompt begins ``distance`` tokens before the prompt's end), and ``reference``
+    holds the document's tokens that follow the re-emitted part (what a perfect copy would write next)."""
+
+    ids: list[int]
+    doc: str
+    start: int
+    source: int | None = None
+    distance: int | None = None
+    reference: list[int] | None = None
+
+    def describe(self) -> dict:
+        """The JSON-able description (no token lists)."""
+        return {k: v for k, v in vars(self).items() if k not in ("ids", "reference")}
+
+
+def _file_starts(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of ``text`` and the token indices where its ``# file: `` headers begin."""
+    enc = tokenizer(text, return_offsets_mapping=True)
+    ids = np.asarray(enc["input_ids"])
+    starts = np.asarray([a for a, _ in enc["offset_mapping"]])
+    chars = [m.start() for m in re.finditer(r"(?m)^# file: ", text)]
+    return ids, np.unique(np.searchsorted(starts, chars, side="right") - 1)
+
+
+def held_out_prompts(tokenizer, docs: list[Document], context: int, count: int, seed: int,
+                     workload: str = "windows", new_tokens: int = 0, reemit: int = 64) -> list[Prompt]:
+    """``count`` prompts of ``context`` tokens from ``docs``, seeded, spread over the documents long enough.
+
+    Args:
+        workload: ``windows`` (random windows) or ``recall`` (see the module docstring): the prompt is
+            ``doc[start : start + context - reemit] + doc[source : source + reemit]`` with ``source`` a file
+            header in the first quarter of the window, so the file's first copy begins at least 3/4 of the
+            context before the prompt's end.
+        new_tokens: tokens each prompt must leave after it in its document (recall: after the re-emitted part),
+            so a reference continuation exists.
+    Raises:
+        ConfigError when no document is long enough (or, for ``recall``, has a usable file header).
+    """
+    from diffspec_jax.errors import ConfigError
+
+    if workload not in WORKLOADS:
+        raise ConfigError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
+    if workload == "recall" and not 0 < reemit < context // 4:
+        raise ConfigError(f"recall prompts re-emit 0 < reemit < context / 4 tokens, got {reemit} (context {context})")
+    rng = np.random.default_rng(seed)
+    cands = []  # (doc, start bounds or header)
+    for d in docs:
+        if workload == "windows":
+            ids = np.asarray(tokenizer(d.text)["input_ids"])
+            if len(ids) >= context + new_tokens:
+                cands.append((d.name, ids, None))
+            continue
+        ids, heads = _file_starts(tokenizer, d.text)
+        for h in heads:  # the window [h - ctx/4, h] must fit, and the file must go on past the re-emitted part
+            if h + context - reemit <= len(ids) and h + reemit + new_tokens <= len(ids):
+                cands.append((d.name, ids, int(h)))
+    if not cands:
+        raise ConfigError(f"no held-out document is long enough for {workload} prompts of {context} tokens "
+                          f"(+{new_tokens} new)")
+    out = []
+    if workload == "windows":
+        for i in range(count):
+            name, ids, _ = cands[i % len(cands)]
+            s = int(rng.integers(0, len(ids) - context - new_tokens + 1))
+            out.append(Prompt([int(t) for t in ids[s:s + context]], name, s))
+        return out
+    order = rng.permutation(len(cands))
+    for i in range(count):
+        name, ids, h = cands[int(order[i % len(cands)])]
+        s = h - int(rng.integers(0, min(h, context // 4) + 1))
+        body = ids[s:s + context - reemit]
+        out.append(Prompt([int(t) for t in np.concatenate([body, ids[h:h + reemit]])], name, s, source=h,
+                          distance=context - (h - s), reference=[int(t) for t in ids[h + reemit:h + reemit + new_tokens]]))
+    return out
+
+
+def copied_fraction(outputs: list[list[int]], prompts) -> float:
+    """Mean share of each recall prompt's new tokens that continue its file verbatim (longest common prefix of the
+    output and the document's continuation, over the output length)."""
+    shares = []
+    for out, p in zip(outputs, prompts):
+        n = min(len(out), len(p.reference))
+        same = np.asarray(out[:n]) == np.asarray(p.reference[:n])
+        shares.append((n if same.all() else int(np.argmin(same))) / max(1, len(out)))
+    return float(np.mean(shares))

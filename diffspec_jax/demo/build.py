@@ -5,12 +5,15 @@ Steps, all recorded in ``DIR/model_card.json``:
 1. corpus: the running interpreter's standard library (:mod:`diffspec_jax.corpus`), packages held out;
 2. tokenizer: byte-level BPE, vocabulary 4096, trained on the training split;
 3. target: a 6-layer Llama (about 6 M parameters) trained from scratch with optax on windows of ``--seq-len``
-   (default 16384) tokens, exported as a Hugging Face ``LlamaForCausalLM`` directory (bfloat16);
+   (default 16384) tokens, exported as a Hugging Face ``LlamaForCausalLM`` directory (bfloat16); half of the
+   windows carry a recall span (:class:`~diffspec_jax.training.TokenStream`), so the target learns to continue a
+   passage seen earlier in its context, as real LLMs do;
 4. draft: an EAGLE-3 draft trained with :mod:`diffspec_jax.train_draft` on 2048-token windows (as public drafts
-   are), draft vocabulary 2048, exported in the SpecForge / vLLM layout (bfloat16);
-5. evaluation: greedy speculative decoding of held-out prompts at 2K / 8K / 16K tokens with the ``full``,
-   ``recent`` and ``diffspec`` policies, mean acceptance length and decode speed beside target-only decoding in
-   the same run, and a check that every output equals target-only output;
+   are; recall spans too), draft vocabulary 2048, exported in the SpecForge / vLLM layout (bfloat16);
+5. evaluation: greedy speculative decoding of held-out prompts (both workloads of
+   :func:`~diffspec_jax.corpus.held_out_prompts`) at 2K / 8K / 16K tokens with the ``full``, ``recent`` and
+   ``diffspec`` policies, mean acceptance length and decode speed beside target-only decoding in the same run, a
+   check that every output equals target-only output, and for ``recall`` how much of the file the target copies;
 6. the demo prompt: the opening of a held-out module (``argparse``), >= 8K tokens.
 """
 
@@ -28,7 +31,7 @@ import jax
 import numpy as np
 
 from diffspec_jax.config import ModelConfig, RopeConfig
-from diffspec_jax.corpus import build_corpus, train_tokenizer
+from diffspec_jax.corpus import WORKLOADS, build_corpus, copied_fraction, held_out_prompts, train_tokenizer
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
 
 CONTEXTS = (2048, 8192, 16384)
@@ -42,25 +45,33 @@ def demo_target_config(vocab: int, eos: int, max_len: int) -> ModelConfig:
                        rope=RopeConfig(theta=500000.0), dtype="bfloat16", bos_token_id=eos, eos_token_ids=(eos,))
 
 
-def evaluate(target, draft, prompts_by_ctx: dict[int, list[list[int]]], new_tokens: int, k: int, budget: int,
+def evaluate(target, draft, prompts_by_case: dict[tuple[str, int], list], new_tokens: int, k: int, budget: int,
              chunk: int) -> list[dict]:
-    """Acceptance and decode speed per (context, policy), with target-only decoding of the same prompts."""
+    """Acceptance and decode speed per (workload, context, policy), beside target-only decoding of the same
+    prompts (:class:`~diffspec_jax.corpus.Prompt` lists keyed by (workload, context))."""
     from diffspec_jax import SpecConfig, generate
 
     rows = []
-    cap = max(len(p) for ps in prompts_by_ctx.values() for p in ps) + new_tokens + k + 1
-    for ctx, prompts in prompts_by_ctx.items():
+    cap = max(len(p.ids) for ps in prompts_by_case.values() for p in ps) + new_tokens + k + 1
+    for (workload, ctx), cases in prompts_by_case.items():
+        prompts = [p.ids for p in cases]
         kw = dict(max_new_tokens=new_tokens, stop_token_ids=(), max_cache_len=cap)
         generate(target, None, prompts, **kw)  # warm-up (compile)
         base = generate(target, None, prompts, **kw)
-        rows.append({"context": ctx, "policy": "target-only", "decode_tokens_per_s": base.stats.decode_tokens_per_s})
+        rows.append({"workload": workload, "context": ctx, "policy": "target-only",
+                     "decode_tokens_per_s": base.stats.decode_tokens_per_s,
+                     "prompts": [p.describe() for p in cases]})
+        if workload == "recall":
+            rows[-1]["copied_fraction"] = copied_fraction(base.tokens, cases)
+        print(json.dumps(rows[-1]), flush=True)
         for policy in POLICIES:
             spec = SpecConfig(num_speculative_tokens=k, draft_context_policy=policy, diffspec_chunk_size=chunk,
                               diffspec_token_budget=budget)
             generate(target, draft, prompts, spec=spec, **kw)
             res = generate(target, draft, prompts, spec=spec, **kw)
             s = res.stats
-            rows.append({"context": ctx, "policy": policy, "mean_acceptance_length": s.mean_acceptance_length,
+            rows.append({"workload": workload, "context": ctx, "policy": policy,
+                         "mean_acceptance_length": s.mean_acceptance_length,
                          "acceptance_per_position": s.acceptance_per_position,
                          "decode_tokens_per_s": s.decode_tokens_per_s,
                          "speedup_vs_target": s.decode_tokens_per_s / base.stats.decode_tokens_per_s,
@@ -83,6 +94,10 @@ def model_card_markdown(card: dict) -> str:
         f"{d['held_out_files']} held out; packages held out: {', '.join(d['held_out_packages'])}).",
         f"- Documents are packages (files concatenated): repository-level context. Training tokens: "
         f"{d.get('train_tokens')}; held-out tokens: {d.get('held_out_tokens')}.",
+        f"- Recall spans: {t.get('recall_fraction', 0):.0%} of the target's training windows and "
+        f"{dr.get('recall_fraction', 0):.0%} of the draft's copy a passage of {t.get('recall_span')} tokens to a "
+        "later place in the same window, so the pair learns to continue a passage seen earlier in its context "
+        "(natural code repeats little verbatim, and without them the target never learned to copy from far back).",
         f"- sha256 of the training text {d['train_sha256']}, of the held-out text {d['held_out_sha256']}; "
         "file lists in `corpus_files.json`.",
         f"- Tokenizer: byte-level BPE, vocabulary {card['tokenizer']['vocab_size']} (`target/tokenizer.json`).", "",
@@ -101,17 +116,20 @@ def model_card_markdown(card: dict) -> str:
         f"length {dr['final'].get('eval_acceptance_length', float('nan')):.2f}.",
         f"- Built on {card['device']} with JAX {card['jax']} in {card.get('build_seconds', 0):.0f} s.", "",
         "## Acceptance (greedy, measured by the build)",
-        f"{ev.get('prompts_per_context')} held-out prompts per context ({ev.get('prompt_source')}), "
+        f"{ev.get('prompts_per_context')} held-out prompts per context and workload ({ev.get('prompt_source')}), "
         f"{ev.get('new_tokens')} new tokens, K = {ev.get('k')}, working-cache budget {ev.get('budget')}, chunk "
         f"{ev.get('chunk')}. Mean acceptance length = tokens emitted per verification (bonus included); speed is "
-        "decode tokens/s over target-only decoding of the same prompts in the same run.", "",
-        "| context | policy | mean acceptance length | decode tok/s | speedup vs target-only |",
-        "|---:|---|---:|---:|---:|"]
+        "decode tokens/s over target-only decoding of the same prompts in the same run. For `recall`, the "
+        "target-only row gives the share of new tokens that continue the re-emitted file verbatim.", "",
+        "| workload | context | policy | mean acceptance length | decode tok/s | speedup vs target-only |",
+        "|---|---:|---|---:|---:|---:|"]
     for r in card.get("acceptance", []):
+        w = r.get("workload", "windows")
         if r["policy"] == "target-only":
-            lines.append(f"| {r['context']} | target-only | - | {r['decode_tokens_per_s']:.0f} | 1.00 |")
+            copied = f" (copies {r['copied_fraction']:.0%})" if "copied_fraction" in r else ""
+            lines.append(f"| {w} | {r['context']} | target-only{copied} | - | {r['decode_tokens_per_s']:.0f} | 1.00 |")
         else:
-            lines.append(f"| {r['context']} | {r['policy']} | {r['mean_acceptance_length']:.2f} | "
+            lines.append(f"| {w} | {r['context']} | {r['policy']} | {r['mean_acceptance_length']:.2f} | "
                          f"{r['decode_tokens_per_s']:.0f} | {r['speedup_vs_target']:.2f} |")
     lines += ["", "## Rebuild", "```bash", card["commands"]["build"], "```", ""]
     return "\n".join(lines)
@@ -122,9 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=16384)
-    ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--target-steps", type=int, default=750)
     ap.add_argument("--target-batch", type=int, default=4)
-    ap.add_argument("--draft-steps", type=int, default=800)
+    ap.add_argument("--recall-fraction", type=float, default=1.0, help="training windows with a recall span")
+    ap.add_argument("--recall-span", default="64,1024", help="shortest,longest recall span (tokens)")
+    ap.add_argument("--recall-noise", type=float, default=0.15, help="share of a recall passage's tokens replaced")
+    ap.add_argument("--draft-steps", type=int, default=1200)
     ap.add_argument("--draft-batch", type=int, default=8)
     ap.add_argument("--draft-seq-len", type=int, default=2048)
     ap.add_argument("--draft-vocab", type=int, default=2048)
@@ -136,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", default="flash" if jax.default_backend() == "gpu" else "dense")
     ap.add_argument("--max-files", type=int, default=None, help="small corpora for smoke tests")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="evaluation context lengths")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="evaluation workloads")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -155,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     tok.save_pretrained(out / "target")
     eos = tok.eos_token_id
     enc = lambda d: np.asarray(tok(d.text)["input_ids"], np.int32)  # noqa: E731
-    train_stream = TokenStream([enc(d) for d in corpus.train], eos)
+    span = tuple(int(x) for x in args.recall_span.split(","))
+    train_stream = TokenStream([enc(d) for d in corpus.train], eos, recall_fraction=args.recall_fraction,
+                               recall_span=span, recall_noise=args.recall_noise)
     held_docs = {d.name: enc(d) for d in corpus.held_out}
     held_stream = TokenStream(list(held_docs.values()), eos)
     card["data"]["train_tokens"] = len(train_stream)
@@ -173,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
         print("target", json.dumps(row), flush=True)
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
                       "config": tcfg.to_hf_dict(), "steps": args.target_steps, "batch": args.target_batch,
-                      "seq_len": args.seq_len, "train_seconds": time.perf_counter() - t0,
+                      "seq_len": args.seq_len, "recall_fraction": args.recall_fraction, "recall_span": list(span),
+                      "recall_noise": args.recall_noise,
+                      "train_seconds": time.perf_counter() - t0,
                       "final": t_hist[-1], "history": t_hist}
     from checkpoints_tools.hf import save_hf
     from diffspec_jax.target import TargetModel, load_target
@@ -197,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     card["draft"] = {"format": "EAGLE-3 (SpecForge / vLLM layout)", "config": dcfg.to_hf_dict(),
                      "parameters": int(sum(np.size(v) for k, v in dparams.items() if k not in ("embed", "d2t"))),
                      "steps": args.draft_steps, "batch": args.draft_batch, "seq_len": args.draft_seq_len,
-                     "ttt_steps": 4, "train_seconds": time.perf_counter() - t0, "final": d_hist[-1],
+                     "ttt_steps": 4, "recall_fraction": args.recall_fraction,
+                     "train_seconds": time.perf_counter() - t0, "final": d_hist[-1],
                      "history": d_hist}
     shutil.rmtree(out / "ckpt_target", ignore_errors=True)
     shutil.rmtree(out / "ckpt_draft", ignore_errors=True)
@@ -212,17 +239,10 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_target(out / "target", dtype="bfloat16")
     draft = load_draft(out / "draft", target)
-    rng = np.random.default_rng(args.seed + 7)
-    long_docs = [np.asarray(v) for k, v in held_docs.items() if k != "argparse"]
-    prompts = {}
-    for ctx in (int(c) for c in args.contexts.split(",")):
-        usable = [d for d in long_docs if len(d) >= ctx] or [held_stream.tokens]
-        picks = []
-        for i in range(args.eval_prompts):
-            d = usable[i % len(usable)]
-            s = int(rng.integers(0, len(d) - ctx + 1))
-            picks.append([int(x) for x in d[s:s + ctx]])
-        prompts[ctx] = picks
+    eval_docs = [d for d in corpus.held_out if d.name != "argparse"]  # the demo prompt's package is left out
+    prompts = {(w, ctx): held_out_prompts(tok, eval_docs, ctx, args.eval_prompts, args.seed + 7 + ctx, w,
+                                          new_tokens=args.eval_new_tokens)
+               for w in args.workloads.split(",") for ctx in (int(c) for c in args.contexts.split(","))}
     try:
         card["acceptance"] = evaluate(target, draft, prompts, args.eval_new_tokens, args.k, args.budget, args.chunk)
     except Exception as exc:  # keep the trained pair even if evaluation breaks; record why
@@ -232,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         card["acceptance_kernels"] = "reference (Pallas failed, see acceptance_error)"
     card["eval"] = {"prompts_per_context": args.eval_prompts, "new_tokens": args.eval_new_tokens, "k": args.k,
                     "budget": args.budget, "chunk": args.chunk, "greedy": True,
-                    "prompt_source": "random windows of held-out packages other than argparse"}
+                    "prompt_source": "held-out packages other than argparse; workloads: "
+                                     + ", ".join(args.workloads.split(","))}
     card["build_seconds"] = time.perf_counter() - t_start
     (out / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
     (out / "MODEL_CARD.md").write_text(model_card_markdown(card))
