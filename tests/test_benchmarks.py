@@ -116,3 +116,21 @@ def test_decode_ablation_variants_agree_and_report(tmp_path):
     assert {(r["variant"], r["tokens"]) for r in data["times"] if r.get("ms", 0) > 0} == {
         (v, t) for v in da.VARIANTS for t in (1, 5)}
     assert {r["variant"] for r in data["memory"]} == set(da.VARIANTS)
+
+
+def test_paired_on_held_out_recall_prompts(tmp_path):
+    """The default prompt source: held-out packages of the demo pair's corpus, here the recall workload (prompts
+    end re-emitting a file far back); the JSON names each prompt and how much of its file target-only output copies."""
+    from benchmarks import paired
+
+    out = tmp_path / "paired.json"
+    assert paired.main(["--workload", "recall", "--contexts", "512", "--prompts", "2", "--new-tokens", "8",
+                        "--repeats", "1", "--methods", "target,diffspec", "--dtype", "float32", "--budget", "256",
+                        "--chunk", "32", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["passed_equality"] is True and "recall" in data["inputs"]["kind"]
+    assert "argparse" not in data["inputs"]["packages"] and len(data["inputs"]["held_out_sha256"]) == 64
+    case = data["cases"][0]
+    assert [p["distance"] >= 384 for p in case["prompts"]] == [True, True]
+    assert 0.0 <= case["target_copied_fraction"] <= 1.0
+    assert case["methods"]["diffspec"]["retrievals"] >= 1

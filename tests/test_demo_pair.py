@@ -74,3 +74,74 @@ def test_tree_mode_on_the_pair_is_lossless_and_accepts_deeper(tokenizer):
     assert tree.tokens == base.tokens
     hist = tree.stats.accepted_depth_histogram
     assert sum(hist[2:]) > 0 and tree.stats.mean_acceptance_length >= chain.stats.mean_acceptance_length
+
+
+@pytest.fixture(scope="module")
+def held_out(tokenizer):
+    from diffspec_jax.corpus import build_corpus
+
+    docs = [d for d in build_corpus().held_out if d.name != "argparse"]
+    return docs, {d.name: tokenizer(d.text)["input_ids"] for d in docs}
+
+
+def test_held_out_window_prompts(tokenizer, held_out):
+    from diffspec_jax.corpus import held_out_prompts
+
+    docs, ids = held_out
+    prompts = held_out_prompts(tokenizer, docs, 4096, 5, seed=3, new_tokens=100)
+    assert len({p.doc for p in prompts}) >= 3  # spread over the documents long enough
+    for p in prompts:
+        assert len(p.ids) == 4096 and p.ids == ids[p.doc][p.start:p.start + 4096]
+        assert p.start + 4096 + 100 <= len(ids[p.doc]) and p.source is None
+    again = held_out_prompts(tokenizer, docs, 4096, 5, seed=3, new_tokens=100)
+    assert [p.ids for p in again] == [p.ids for p in prompts]
+    assert [p.start for p in held_out_prompts(tokenizer, docs, 4096, 5, seed=4)] != [p.start for p in prompts]
+
+
+def test_held_out_recall_prompts_reemit_a_file_from_far_back(tokenizer, held_out):
+    from diffspec_jax.corpus import copied_fraction, held_out_prompts
+
+    docs, ids = held_out
+    ctx, reemit = 4096, 48
+    prompts = held_out_prompts(tokenizer, docs, ctx, 4, seed=5, workload="recall", new_tokens=32, reemit=reemit)
+    for p in prompts:
+        doc = ids[p.doc]
+        off = p.source - p.start
+        assert len(p.ids) == ctx and p.distance == ctx - off and p.distance >= 3 * ctx // 4
+        assert p.ids[:ctx - reemit] == doc[p.start:p.start + ctx - reemit]
+        assert p.ids[-reemit:] == doc[p.source:p.source + reemit] == p.ids[off:off + reemit]
+        assert tokenizer.decode(p.ids[-reemit:]).lstrip("\n").startswith("# file: ")
+        assert p.reference == doc[p.source + reemit:p.source + reemit + 32]
+    refs = [p.reference for p in prompts]
+    assert copied_fraction(refs, prompts) == 1.0
+    wrong_first = [[(r[0] + 1) % 4096] + r[1:] for r in refs]
+    assert copied_fraction(wrong_first, prompts) == 0.0
+    half = [r[:16] + [(r[16] + 1) % 4096] + r[17:] for r in refs]
+    assert copied_fraction(half, prompts) == 0.5
+
+
+def test_held_out_prompts_errors(tokenizer, held_out):
+    from diffspec_jax.corpus import held_out_prompts
+    from diffspec_jax.errors import ConfigError
+
+    docs, _ = held_out
+    with pytest.raises(ConfigError, match="unknown workload"):
+        held_out_prompts(tokenizer, docs, 1024, 1, 0, workload="summaries")
+    with pytest.raises(ConfigError, match="long enough"):
+        held_out_prompts(tokenizer, docs, 10_000_000, 1, 0)
+    with pytest.raises(ConfigError, match="reemit"):
+        held_out_prompts(tokenizer, docs, 1024, 1, 0, workload="recall", reemit=512)
+
+
+def test_model_card_lists_workloads():
+    from diffspec_jax.demo.build import model_card_markdown
+
+    card = json.loads((demo.PAIR / "model_card.json").read_text())
+    card["acceptance"] = [
+        {"workload": "recall", "context": 16384, "policy": "target-only", "decode_tokens_per_s": 1000.0,
+         "copied_fraction": 0.25},
+        {"workload": "recall", "context": 16384, "policy": "diffspec", "mean_acceptance_length": 2.5,
+         "decode_tokens_per_s": 1500.0, "speedup_vs_target": 1.5}]
+    text = model_card_markdown(card)
+    assert "| recall | 16384 | target-only (copies 25%) | - | 1000 | 1.00 |" in text
+    assert "| recall | 16384 | diffspec | 2.50 | 1500 | 1.50 |" in text
