@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     args.methods = methods
     import diffspec_jax as dj
     from diffspec_jax import demo
-    from diffspec_jax.corpus import copied_fraction, held_out_prompts
+    from diffspec_jax.corpus import build_corpus, copied_fraction, held_out_prompts
 
     tdir = Path(args.target) if args.target else demo.target_dir()
     ddir = Path(args.draft) if args.draft else (demo.draft_dir() if not args.target else None)
@@ -212,8 +212,6 @@ def main(argv=None) -> int:
             input_desc = {"kind": "windows of a text file", "source": args.prompt_source,
                           "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": int(len(source))}
         else:
-            from diffspec_jax.corpus import build_corpus
-
             corpus = build_corpus()
             docs = [d for d in corpus.held_out if d.name != "argparse"]  # argparse: the demo prompt's package
             input_desc = {"kind": f"held-out packages, workload {args.workload!r}", "python": corpus.manifest["python"],

@@ -64,16 +64,72 @@ def _package_of(rel: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
+def _document(name: str, root: Path, paths: list[Path], skip: frozenset[str] = frozenset()) -> Document:
+    """Files of ``paths`` (relative names from ``root``) concatenated, each after a ``# file: <path>`` line; files
+    whose text's sha256 is in ``skip`` are left out."""
+    parts, names = [], []
+    for p in paths:
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        if hashlib.sha256(text.encode()).hexdigest() in skip:
+            continue
+        parts.append(f"# file: {p.relative_to(root).as_posix()}\n{text}\n")
+        names.append(p.relative_to(root).as_posix())
+    return Document(name=name, files=names, text="".join(parts))
+
+
+def _python_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if not any(part in EXCLUDED for part in p.relative_to(root).parts))
+
+
+def installed_package_documents(names: tuple[str, ...], skip: frozenset[str] = frozenset()
+                                ) -> tuple[list[Document], dict[str, str]]:
+    """Training documents from the Python sources of installed packages (e.g. ``transformers``): one document per
+    directory (a model's modeling, configuration and tokenizer files together, repository-level context), named
+    ``<dir path>``; tests, and files whose text's sha256 is in ``skip`` (vendored copies of held-out modules), are
+    left out. Returns the documents and each package's installed version.
+
+    Raises:
+        ConfigError when a package is not installed or is a single module rather than a package directory.
+    """
+    import importlib.metadata
+    import importlib.util
+
+    from diffspec_jax.errors import ConfigError
+
+    docs, versions = [], {}
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"extra corpus package {name!r} is not an installed package directory")
+        pkg = Path(list(spec.submodule_search_locations)[0])
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "unknown"
+        by_dir: dict[Path, list[Path]] = {}
+        for f in _python_files(pkg):
+            by_dir.setdefault(f.parent, []).append(f)
+        docs += [_document(d.relative_to(pkg.parent).as_posix(), pkg.parent, fs, skip)
+                 for d, fs in sorted(by_dir.items())]
+    return docs, versions
+
+
 def build_corpus(root: str | Path | None = None, held_out: tuple[str, ...] = HELD_OUT,
-                 max_files: int | None = None) -> Corpus:
+                 max_files: int | None = None, extra_packages: tuple[str, ...] = ()) -> Corpus:
     """Collect the standard library of ``root`` (default: this interpreter's) into package documents.
 
     Args:
         max_files: keep only the first N files in path order (tests build small corpora this way).
+        extra_packages: installed packages whose sources join the training split
+            (:func:`installed_package_documents`; their versions go into the manifest). More text than a small
+            model can memorise: trained for many epochs on the standard library alone, the demo target
+            memorises its training text and learns nothing that reads far context.
     """
     root = Path(root) if root is not None else stdlib_root()
-    files = sorted(p for p in root.rglob("*.py")
-                   if not any(part in EXCLUDED for part in p.relative_to(root).parts))
+    files = _python_files(root)
     if max_files is not None:
         files = files[:max_files]
     by_package: dict[str, list[Path]] = {}
@@ -81,15 +137,12 @@ def build_corpus(root: str | Path | None = None, held_out: tuple[str, ...] = HEL
         by_package.setdefault(_package_of(f.relative_to(root)), []).append(f)
     train, held = [], []
     for name in sorted(by_package):
-        paths = by_package[name]
-        parts = []
-        for p in paths:
-            try:
-                parts.append(f"# file: {p.relative_to(root).as_posix()}\n{p.read_text(encoding='utf-8')}\n")
-            except UnicodeDecodeError:
-                continue
-        doc = Document(name=name, files=[p.relative_to(root).as_posix() for p in paths], text="".join(parts))
+        doc = _document(name, root, by_package[name])
         (held if name in held_out else train).append(doc)
+    held_texts = frozenset(hashlib.sha256(p.read_text(encoding="utf-8", errors="replace").encode()).hexdigest()
+                           for name in by_package if name in held_out for p in by_package[name])
+    extra, versions = installed_package_documents(tuple(extra_packages), held_texts)
+    train += extra
 
     def digest(docs):
         h = hashlib.sha256()
@@ -98,6 +151,7 @@ def build_corpus(root: str | Path | None = None, held_out: tuple[str, ...] = HEL
         return h.hexdigest()
 
     manifest = {"python": platform.python_version(), "stdlib_root": str(root), "held_out_packages": list(held_out),
+                "extra_packages": versions,
                 "train_files": sum(len(d.files) for d in train), "held_out_files": sum(len(d.files) for d in held),
                 "train_chars": sum(len(d.text) for d in train), "held_out_chars": sum(len(d.text) for d in held),
                 "train_sha256": digest(train), "held_out_sha256": digest(held),

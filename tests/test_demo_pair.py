@@ -142,6 +142,8 @@ def test_model_card_lists_workloads():
          "copied_fraction": 0.25},
         {"workload": "recall", "context": 16384, "policy": "diffspec", "mean_acceptance_length": 2.5,
          "decode_tokens_per_s": 1500.0, "speedup_vs_target": 1.5}]
+    card["data"]["extra_packages"] = {"numpy": "2.0.1"}
     text = model_card_markdown(card)
+    assert "the sources of numpy 2.0.1 (one document per directory)" in text
     assert "| recall | 16384 | target-only (copies 25%) | - | 1000 | 1.00 |" in text
     assert "| recall | 16384 | diffspec | 2.50 | 1500 | 1.50 |" in text

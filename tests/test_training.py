@@ -160,3 +160,44 @@ def test_train_draft_cli_on_text_and_jsonl(trained_target, corpus_stream, tmp_pa
     assert (tmp_path / "draft" / "checkpoints").exists()
     assert main(["--target", str(tmp_path / "target"), "--data", str(tmp_path / "missing.txt"), "--out",
                  str(tmp_path / "x")]) == 2
+
+
+def test_corpus_with_installed_package_sources():
+    """Installed packages' sources join the training split (one document per directory, versions recorded); the
+    held-out split is unchanged, and a missing package is named."""
+    import numpy
+    from diffspec_jax.corpus import build_corpus
+    from diffspec_jax.errors import ConfigError
+
+    base = build_corpus(max_files=40)
+    more = build_corpus(max_files=40, extra_packages=("numpy",))
+    assert more.manifest["extra_packages"] == {"numpy": numpy.__version__} and base.manifest["extra_packages"] == {}
+    added = [d for d in more.train if d.name.startswith("numpy")]
+    assert [d.name for d in more.train if not d.name.startswith("numpy")] == [d.name for d in base.train]
+    assert len(added) > 10 and any(d.name == "numpy/linalg" for d in added)
+    assert not any("/tests" in f for d in added for f in d.files)
+    assert all(d.text.startswith("# file: numpy/") for d in added)
+    assert more.manifest["held_out_sha256"] == base.manifest["held_out_sha256"]
+    assert more.manifest["train_sha256"] != base.manifest["train_sha256"]
+    with pytest.raises(ConfigError, match="not_a_package_xyz"):
+        build_corpus(max_files=5, extra_packages=("not_a_package_xyz",))
+
+
+def test_installed_package_copies_of_held_out_files_are_left_out(tmp_path, monkeypatch):
+    from diffspec_jax.corpus import build_corpus
+
+    std = tmp_path / "std"
+    (std / "email").mkdir(parents=True)
+    (std / "email" / "utils.py").write_text("def held():\n    return 1\n")
+    (std / "heapq.py").write_text("def push(): pass\n")
+    pkg = tmp_path / "site" / "fakepkg_diffspec"
+    (pkg / "_vendor").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("x = 1\n")
+    (pkg / "_vendor" / "utils.py").write_text("def held():\n    return 1\n")  # a vendored held-out file
+    (pkg / "_vendor" / "other.py").write_text("y = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    c = build_corpus(root=std, held_out=("email",), extra_packages=("fakepkg_diffspec",))
+    assert [d.name for d in c.held_out] == ["email"]
+    files = {d.name: d.files for d in c.train}
+    assert files == {"heapq": ["heapq.py"], "fakepkg_diffspec": ["fakepkg_diffspec/__init__.py"],
+                     "fakepkg_diffspec/_vendor": ["fakepkg_diffspec/_vendor/other.py"]}

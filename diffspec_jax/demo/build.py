@@ -2,7 +2,8 @@
 
 Steps, all recorded in ``DIR/model_card.json``:
 
-1. corpus: the running interpreter's standard library (:mod:`diffspec_jax.corpus`), packages held out;
+1. corpus: the running interpreter's standard library (:mod:`diffspec_jax.corpus`), packages held out, plus the
+   sources of installed packages named by ``--extra-packages`` (training only);
 2. tokenizer: byte-level BPE, vocabulary 4096, trained on the training split;
 3. target: a 6-layer Llama (about 6 M parameters) trained from scratch with optax on windows of ``--seq-len``
    (default 16384) tokens, exported as a Hugging Face ``LlamaForCausalLM`` directory (bfloat16);
@@ -90,6 +91,9 @@ def model_card_markdown(card: dict) -> str:
         "## Data",
         f"- Python {d['python']} standard library sources ({d['train_files']} training files, "
         f"{d['held_out_files']} held out; packages held out: {', '.join(d['held_out_packages'])}).",
+        *([f"- Also in training (counted in the training files above): the sources of "
+           f"{', '.join(f'{k} {v}' for k, v in d['extra_packages'].items())} (one document per directory)."]
+          if d.get("extra_packages") else []),
         f"- Documents are packages (files concatenated): repository-level context. Training tokens: "
         f"{d.get('train_tokens')}; held-out tokens: {d.get('held_out_tokens')}.",
         f"- sha256 of the training text {d['train_sha256']}, of the held-out text {d['held_out_sha256']}; "
@@ -147,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--attention", default="flash" if jax.default_backend() == "gpu" else "dense")
     ap.add_argument("--max-files", type=int, default=None, help="small corpora for smoke tests")
+    ap.add_argument("--extra-packages", default="", help="comma-separated installed packages whose sources join the "
+                                                         "training split (e.g. transformers,torch)")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="evaluation context lengths")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="evaluation workloads")
     ap.add_argument("--seed", type=int, default=0)
@@ -161,15 +167,16 @@ def main(argv: list[str] | None = None) -> int:
                                 else jax.devices()[0]),
                   "jax": jax.__version__, "settings": vars(args)}
 
-    corpus = build_corpus(max_files=args.max_files)
+    extra = tuple(x for x in args.extra_packages.split(",") if x)
+    corpus = build_corpus(max_files=args.max_files, extra_packages=extra)
     card["data"] = {k: v for k, v in corpus.manifest.items() if k != "files"}
     (out / "corpus_files.json").write_text(json.dumps(corpus.manifest["files"]) + "\n")
     tok = train_tokenizer([d.text for d in corpus.train], args.vocab)
     tok.save_pretrained(out / "target")
     eos = tok.eos_token_id
-    enc = lambda d: np.asarray(tok(d.text)["input_ids"], np.int32)  # noqa: E731
-    train_stream = TokenStream([enc(d) for d in corpus.train], eos)
-    held_docs = {d.name: enc(d) for d in corpus.held_out}
+    encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731
+    train_stream = TokenStream(encode(corpus.train), eos)  # one batched call: the tokenizer runs in parallel
+    held_docs = dict(zip((d.name for d in corpus.held_out), encode(corpus.held_out)))
     held_stream = TokenStream(list(held_docs.values()), eos)
     card["data"]["train_tokens"] = len(train_stream)
     card["data"]["held_out_tokens"] = len(held_stream)
