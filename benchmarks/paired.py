@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     args.methods = methods
     import diffspec_jax as dj
     from diffspec_jax import demo
-    from diffspec_jax.corpus import build_corpus, copied_fraction, held_out_prompts
+    from diffspec_jax.corpus import build_corpus, copied_fraction, encode_documents, held_out_prompts
 
     tdir = Path(args.target) if args.target else demo.target_dir()
     ddir = Path(args.draft) if args.draft else (demo.draft_dir() if not args.target else None)
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
                           "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": int(len(source))}
         else:
             corpus = build_corpus()
-            docs = [d for d in corpus.held_out if d.name != "argparse"]  # argparse: the demo prompt's package
+            docs = encode_documents(tok, [d for d in corpus.held_out if d.name != "argparse"])  # argparse: demo prompt
             input_desc = {"kind": f"held-out packages, workload {args.workload!r}", "python": corpus.manifest["python"],
                           "held_out_sha256": corpus.manifest["held_out_sha256"],
                           "packages": [d.name for d in docs]}
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     for ctx in contexts:
         held = None
         if docs is not None:
-            held = held_out_prompts(tok, docs, ctx, args.prompts, args.seed + ctx, args.workload,
+            held = held_out_prompts(docs, ctx, args.prompts, args.seed + ctx, args.workload,
                                     new_tokens=args.new_tokens)
             prompts = [p.ids for p in held]
         else:

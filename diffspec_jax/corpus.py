@@ -139,10 +139,12 @@ def build_corpus(root: str | Path | None = None, held_out: tuple[str, ...] = HEL
     for name in sorted(by_package):
         doc = _document(name, root, by_package[name])
         (held if name in held_out else train).append(doc)
-    held_texts = frozenset(hashlib.sha256(p.read_text(encoding="utf-8", errors="replace").encode()).hexdigest()
-                           for name in by_package if name in held_out for p in by_package[name])
-    extra, versions = installed_package_documents(tuple(extra_packages), held_texts)
-    train += extra
+    versions = {}
+    if extra_packages:
+        held_texts = frozenset(hashlib.sha256(p.read_text(encoding="utf-8", errors="replace").encode()).hexdigest()
+                               for name in by_package if name in held_out for p in by_package[name])
+        extra, versions = installed_package_documents(tuple(extra_packages), held_texts)
+        train += extra
 
     def digest(docs):
         h = hashlib.sha256()
@@ -201,18 +203,31 @@ class Prompt:
         return {k: v for k, v in vars(self).items() if k not in ("ids", "reference")}
 
 
-def _file_starts(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of ``text`` and the token indices where its ``# file: `` headers begin."""
-    enc = tokenizer(text, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"])
-    starts = np.asarray([a for a, _ in enc["offset_mapping"]])
-    chars = [m.start() for m in re.finditer(r"(?m)^# file: ", text)]
-    return ids, np.unique(np.searchsorted(starts, chars, side="right") - 1)
+@dataclass
+class EncodedDocument:
+    """A document's token ids (int32 ``[N]``) and the token indices where its ``# file: `` headers begin."""
+
+    name: str
+    ids: np.ndarray
+    file_starts: np.ndarray
 
 
-def held_out_prompts(tokenizer, docs: list[Document], context: int, count: int, seed: int,
-                     workload: str = "windows", new_tokens: int = 0, reemit: int = 64) -> list[Prompt]:
-    """``count`` prompts of ``context`` tokens from ``docs``, seeded, spread over the documents long enough.
+def encode_documents(tokenizer, docs: list[Document]) -> list[EncodedDocument]:
+    """Tokenize ``docs`` in one batched call (the tokenizer runs in parallel) and locate their file headers."""
+    enc = tokenizer([d.text for d in docs], return_offsets_mapping=True)
+    out = []
+    for d, ids, offsets in zip(docs, enc["input_ids"], enc["offset_mapping"]):
+        starts = np.asarray([a for a, _ in offsets])
+        chars = [m.start() for m in re.finditer(r"(?m)^# file: ", d.text)]
+        out.append(EncodedDocument(d.name, np.asarray(ids, np.int32),
+                                   np.unique(np.searchsorted(starts, chars, side="right") - 1)))
+    return out
+
+
+def held_out_prompts(docs: list[EncodedDocument], context: int, count: int, seed: int, workload: str = "windows",
+                     new_tokens: int = 0, reemit: int = 64) -> list[Prompt]:
+    """``count`` prompts of ``context`` tokens from ``docs`` (:func:`encode_documents`), seeded, spread over the
+    documents long enough.
 
     Args:
         workload: ``windows`` (random windows) or ``recall`` (see the module docstring): the prompt is
@@ -233,13 +248,12 @@ def held_out_prompts(tokenizer, docs: list[Document], context: int, count: int, 
     rng = np.random.default_rng(seed)
     cands = []  # (doc, start bounds or header)
     for d in docs:
+        ids = d.ids
         if workload == "windows":
-            ids = np.asarray(tokenizer(d.text)["input_ids"])
             if len(ids) >= context + new_tokens:
                 cands.append((d.name, ids, None))
             continue
-        ids, heads = _file_starts(tokenizer, d.text)
-        for h in heads:  # the window [h - ctx/4, h] must fit, and the file must go on past the re-emitted part
+        for h in d.file_starts:  # the window [h - ctx/4, h] must fit, and the file must go on past the re-emitted part
             if h + context - reemit <= len(ids) and h + reemit + new_tokens <= len(ids):
                 cands.append((d.name, ids, int(h)))
     if not cands:
@@ -258,7 +272,8 @@ def held_out_prompts(tokenizer, docs: list[Document], context: int, count: int, 
         s = h - int(rng.integers(0, min(h, context // 4) + 1))
         body = ids[s:s + context - reemit]
         out.append(Prompt([int(t) for t in np.concatenate([body, ids[h:h + reemit]])], name, s, source=h,
-                          distance=context - (h - s), reference=[int(t) for t in ids[h + reemit:h + reemit + new_tokens]]))
+                          distance=context - (h - s),
+                          reference=[int(t) for t in ids[h + reemit:h + reemit + new_tokens]]))
     return out
 
 

@@ -78,24 +78,24 @@ def test_tree_mode_on_the_pair_is_lossless_and_accepts_deeper(tokenizer):
 
 @pytest.fixture(scope="module")
 def held_out(tokenizer):
-    from diffspec_jax.corpus import build_corpus
+    from diffspec_jax.corpus import build_corpus, encode_documents
 
-    docs = [d for d in build_corpus().held_out if d.name != "argparse"]
-    return docs, {d.name: tokenizer(d.text)["input_ids"] for d in docs}
+    docs = encode_documents(tokenizer, [d for d in build_corpus().held_out if d.name != "argparse"])
+    return docs, {d.name: d.ids.tolist() for d in docs}
 
 
 def test_held_out_window_prompts(tokenizer, held_out):
     from diffspec_jax.corpus import held_out_prompts
 
     docs, ids = held_out
-    prompts = held_out_prompts(tokenizer, docs, 4096, 5, seed=3, new_tokens=100)
+    prompts = held_out_prompts(docs, 4096, 5, seed=3, new_tokens=100)
     assert len({p.doc for p in prompts}) >= 3  # spread over the documents long enough
     for p in prompts:
         assert len(p.ids) == 4096 and p.ids == ids[p.doc][p.start:p.start + 4096]
         assert p.start + 4096 + 100 <= len(ids[p.doc]) and p.source is None
-    again = held_out_prompts(tokenizer, docs, 4096, 5, seed=3, new_tokens=100)
+    again = held_out_prompts(docs, 4096, 5, seed=3, new_tokens=100)
     assert [p.ids for p in again] == [p.ids for p in prompts]
-    assert [p.start for p in held_out_prompts(tokenizer, docs, 4096, 5, seed=4)] != [p.start for p in prompts]
+    assert [p.start for p in held_out_prompts(docs, 4096, 5, seed=4)] != [p.start for p in prompts]
 
 
 def test_held_out_recall_prompts_reemit_a_file_from_far_back(tokenizer, held_out):
@@ -103,7 +103,7 @@ def test_held_out_recall_prompts_reemit_a_file_from_far_back(tokenizer, held_out
 
     docs, ids = held_out
     ctx, reemit = 4096, 48
-    prompts = held_out_prompts(tokenizer, docs, ctx, 4, seed=5, workload="recall", new_tokens=32, reemit=reemit)
+    prompts = held_out_prompts(docs, ctx, 4, seed=5, workload="recall", new_tokens=32, reemit=reemit)
     for p in prompts:
         doc = ids[p.doc]
         off = p.source - p.start
@@ -126,11 +126,11 @@ def test_held_out_prompts_errors(tokenizer, held_out):
 
     docs, _ = held_out
     with pytest.raises(ConfigError, match="unknown workload"):
-        held_out_prompts(tokenizer, docs, 1024, 1, 0, workload="summaries")
+        held_out_prompts(docs, 1024, 1, 0, workload="summaries")
     with pytest.raises(ConfigError, match="long enough"):
-        held_out_prompts(tokenizer, docs, 10_000_000, 1, 0)
+        held_out_prompts(docs, 10_000_000, 1, 0)
     with pytest.raises(ConfigError, match="reemit"):
-        held_out_prompts(tokenizer, docs, 1024, 1, 0, workload="recall", reemit=512)
+        held_out_prompts(docs, 1024, 1, 0, workload="recall", reemit=512)
 
 
 def test_model_card_lists_workloads():

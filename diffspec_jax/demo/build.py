@@ -30,7 +30,8 @@ import jax
 import numpy as np
 
 from diffspec_jax.config import ModelConfig, RopeConfig
-from diffspec_jax.corpus import WORKLOADS, build_corpus, copied_fraction, held_out_prompts, train_tokenizer
+from diffspec_jax.corpus import (WORKLOADS, build_corpus, copied_fraction, encode_documents, held_out_prompts,
+                                 train_tokenizer)
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
 
 CONTEXTS = (2048, 8192, 16384)
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     eos = tok.eos_token_id
     encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731
     train_stream = TokenStream(encode(corpus.train), eos)  # one batched call: the tokenizer runs in parallel
-    held_docs = dict(zip((d.name for d in corpus.held_out), encode(corpus.held_out)))
+    held_enc = encode_documents(tok, corpus.held_out)
+    held_docs = {e.name: e.ids for e in held_enc}
     held_stream = TokenStream(list(held_docs.values()), eos)
     card["data"]["train_tokens"] = len(train_stream)
     card["data"]["held_out_tokens"] = len(held_stream)
@@ -232,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
 
     target = load_target(out / "target", dtype="bfloat16")
     draft = load_draft(out / "draft", target)
-    eval_docs = [d for d in corpus.held_out if d.name != "argparse"]  # the demo prompt's package is left out
-    prompts = {(w, ctx): held_out_prompts(tok, eval_docs, ctx, args.eval_prompts, args.seed + 7 + ctx, w,
+    eval_docs = [e for e in held_enc if e.name != "argparse"]  # the demo prompt's package is left out
+    prompts = {(w, ctx): held_out_prompts(eval_docs, ctx, args.eval_prompts, args.seed + 7 + ctx, w,
                                           new_tokens=args.eval_new_tokens)
                for w in args.workloads.split(",") for ctx in (int(c) for c in args.contexts.split(","))}
     try:
