@@ -55,24 +55,74 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 
 class TokenStream:
-    """Random windows of ``length`` tokens from a 1-D int32 stream (documents joined by an EOS separator)."""
+    """Random windows of ``length`` tokens from a 1-D int32 stream (documents joined by an EOS separator).
 
-    def __init__(self, documents: list[np.ndarray], eos_id: int):
+    Args:
+        documents: int token arrays, one per document.
+        eos_id: the separator put after every document.
+        recall_fraction: the fraction of windows (0 to 1, default 0: plain windows) that get one **recall span**:
+            a passage of the window copied verbatim to a later place in the same window (overwriting what was
+            there), so a model trained on them learns to continue a passage it has seen earlier in its context,
+            at any distance up to the window length. Natural text has little verbatim long-range repetition, and a
+            small model trained briefly on it never learns to copy from far back; real LLMs do (quoting a
+            document, re-emitting a file to edit it), and that is the case target-guided retrieval serves.
+        recall_span: (shortest, longest) copied passage in tokens, capped at a quarter of the window.
+        recall_noise: the share of the passage's tokens first replaced by tokens drawn at random from the stream
+            (its unigram distribution; default 0.15). A small model memorises its training text, and a memorised
+            passage teaches no copying: its second occurrence is predicted from memory. With the replaced tokens it
+            is predictable only by copying, while it still reads as natural text (a fully random passage, 1.0,
+            teaches a copying that does not carry over to natural text).
+    """
+
+    def __init__(self, documents: list[np.ndarray], eos_id: int, recall_fraction: float = 0.0,
+                 recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.15):
+        if not 0.0 <= recall_fraction <= 1.0:
+            raise ConfigError(f"recall_fraction must be in [0, 1], got {recall_fraction}")
+        if not 0.0 <= recall_noise <= 1.0:
+            raise ConfigError(f"recall_noise must be in [0, 1], got {recall_noise}")
+        if not 1 <= recall_span[0] <= recall_span[1]:
+            raise ConfigError(f"recall_span must be (shortest, longest) with 1 <= shortest <= longest, got "
+                              f"{recall_span}")
         parts = []
         for d in documents:
             parts.extend([np.asarray(d, np.int32), np.array([eos_id], np.int32)])
         self.tokens = np.concatenate(parts) if parts else np.zeros(0, np.int32)
+        self.recall_fraction = float(recall_fraction)
+        self.recall_span = (int(recall_span[0]), int(recall_span[1]))
+        self.recall_noise = float(recall_noise)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def batch(self, step: int, batch: int, length: int, seed: int = 0) -> np.ndarray:
-        """``[batch, length]`` windows, a deterministic function of (seed, step)."""
+        """``[batch, length]`` windows, a deterministic function of (seed, step) (recall spans included)."""
         if len(self.tokens) < length + 1:
             raise ConfigError(f"the token stream ({len(self.tokens)} tokens) is shorter than a window ({length})")
         rng = np.random.default_rng([seed, step])
         starts = rng.integers(0, len(self.tokens) - length, batch)
-        return np.stack([self.tokens[s:s + length] for s in starts])
+        out = np.stack([self.tokens[s:s + length] for s in starts])
+        if self.recall_fraction > 0:
+            for row in out:
+                span = recall_span_of(rng, length, self.recall_span) if rng.random() < self.recall_fraction else None
+                if span is not None:
+                    src, dst, n = span
+                    noisy = src + np.flatnonzero(rng.random(n) < self.recall_noise)
+                    row[noisy] = self.tokens[rng.integers(0, len(self.tokens), len(noisy))]
+                    row[dst:dst + n] = row[src:src + n]
+        return out
+
+
+def recall_span_of(rng: np.random.Generator, length: int, span: tuple[int, int]) -> tuple[int, int, int] | None:
+    """(source, destination, tokens) of one recall span in a window of ``length`` tokens: the passage
+    ``[source, source + tokens)`` is copied to ``[destination, destination + tokens)``, entirely after it; the
+    distance is uniform over what the window allows. None when the window is too short for the shortest span."""
+    longest = min(span[1], length // 4)
+    if longest < span[0]:
+        return None
+    n = int(rng.integers(span[0], longest + 1))
+    src = int(rng.integers(0, length - 2 * n + 1))
+    dst = int(rng.integers(src + n, length - n + 1))
+    return src, dst, n
 
 
 @struct.dataclass

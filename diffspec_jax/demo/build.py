@@ -6,9 +6,11 @@ Steps, all recorded in ``DIR/model_card.json``:
    sources of installed packages named by ``--extra-packages`` (training only);
 2. tokenizer: byte-level BPE, vocabulary 4096, trained on the training split;
 3. target: a 6-layer Llama (about 6 M parameters) trained from scratch with optax on windows of ``--seq-len``
-   (default 16384) tokens, exported as a Hugging Face ``LlamaForCausalLM`` directory (bfloat16);
+   (default 16384) tokens, exported as a Hugging Face ``LlamaForCausalLM`` directory (bfloat16); half of the
+   windows carry a recall span (:class:`~diffspec_jax.training.TokenStream`), so the target learns to continue a
+   passage seen earlier in its context, as real LLMs do;
 4. draft: an EAGLE-3 draft trained with :mod:`diffspec_jax.train_draft` on 2048-token windows (as public drafts
-   are), draft vocabulary 2048, exported in the SpecForge / vLLM layout (bfloat16);
+   are; recall spans too), draft vocabulary 2048, exported in the SpecForge / vLLM layout (bfloat16);
 5. evaluation: greedy speculative decoding of held-out prompts (both workloads of
    :func:`~diffspec_jax.corpus.held_out_prompts`) at 2K / 8K / 16K tokens with the ``full``, ``recent`` and
    ``diffspec`` policies, mean acceptance length and decode speed beside target-only decoding in the same run, a
@@ -97,6 +99,10 @@ def model_card_markdown(card: dict) -> str:
           if d.get("extra_packages") else []),
         f"- Documents are packages (files concatenated): repository-level context. Training tokens: "
         f"{d.get('train_tokens')}; held-out tokens: {d.get('held_out_tokens')}.",
+        f"- Recall spans: {t.get('recall_fraction', 0):.0%} of the target's training windows and "
+        f"{dr.get('recall_fraction', 0):.0%} of the draft's copy a passage of {t.get('recall_span')} tokens to a "
+        "later place in the same window, so the pair learns to continue a passage seen earlier in its context "
+        "(natural code repeats little verbatim, and without them the target never learned to copy from far back).",
         f"- sha256 of the training text {d['train_sha256']}, of the held-out text {d['held_out_sha256']}; "
         "file lists in `corpus_files.json`.",
         f"- Tokenizer: byte-level BPE, vocabulary {card['tokenizer']['vocab_size']} (`target/tokenizer.json`).", "",
@@ -141,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--target-steps", type=int, default=600)
     ap.add_argument("--target-batch", type=int, default=4)
+    ap.add_argument("--recall-fraction", type=float, default=0.0, help="training windows with a recall span")
+    ap.add_argument("--recall-span", default="64,1024", help="shortest,longest recall span (tokens)")
+    ap.add_argument("--recall-noise", type=float, default=0.15, help="share of a recall passage's tokens replaced")
     ap.add_argument("--draft-steps", type=int, default=800)
     ap.add_argument("--draft-batch", type=int, default=8)
     ap.add_argument("--draft-seq-len", type=int, default=2048)
@@ -176,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     tok.save_pretrained(out / "target")
     eos = tok.eos_token_id
     encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731
-    train_stream = TokenStream(encode(corpus.train), eos)  # one batched call: the tokenizer runs in parallel
+    span = tuple(int(x) for x in args.recall_span.split(","))
+    train_stream = TokenStream(encode(corpus.train), eos, recall_fraction=args.recall_fraction,
+                               recall_span=span, recall_noise=args.recall_noise)
     held_enc = encode_documents(tok, corpus.held_out)
     held_docs = {e.name: e.ids for e in held_enc}
     held_stream = TokenStream(list(held_docs.values()), eos)
@@ -195,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         print("target", json.dumps(row), flush=True)
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
                       "config": tcfg.to_hf_dict(), "steps": args.target_steps, "batch": args.target_batch,
-                      "seq_len": args.seq_len, "train_seconds": time.perf_counter() - t0,
+                      "seq_len": args.seq_len, "recall_fraction": args.recall_fraction, "recall_span": list(span),
+                      "recall_noise": args.recall_noise,
+                      "train_seconds": time.perf_counter() - t0,
                       "final": t_hist[-1], "history": t_hist}
     from checkpoints_tools.hf import save_hf
     from diffspec_jax.target import TargetModel, load_target
@@ -219,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     card["draft"] = {"format": "EAGLE-3 (SpecForge / vLLM layout)", "config": dcfg.to_hf_dict(),
                      "parameters": int(sum(np.size(v) for k, v in dparams.items() if k not in ("embed", "d2t"))),
                      "steps": args.draft_steps, "batch": args.draft_batch, "seq_len": args.draft_seq_len,
-                     "ttt_steps": 4, "train_seconds": time.perf_counter() - t0, "final": d_hist[-1],
+                     "ttt_steps": 4, "recall_fraction": args.recall_fraction,
+                     "train_seconds": time.perf_counter() - t0, "final": d_hist[-1],
                      "history": d_hist}
     shutil.rmtree(out / "ckpt_target", ignore_errors=True)
     shutil.rmtree(out / "ckpt_draft", ignore_errors=True)
