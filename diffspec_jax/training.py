@@ -220,18 +220,20 @@ def train_target(config: ModelConfig, stream: TokenStream, *, steps: int, batch:
                  optim: OptimConfig | None = None, ckpt_dir: str | Path | None = None, seed: int = 0,
                  attention: str = "dense", compute_dtype=jnp.bfloat16, init_scale: float | None = None,
                  eval_stream: TokenStream | None = None, eval_every: int = 0, log_every: int = 20,
-                 progress: bool = True) -> tuple[dict, list[dict]]:
-    """Train a Llama-architecture target from scratch on ``stream`` windows of ``seq_len + 1`` tokens.
+                 progress: bool = True, params: dict | None = None) -> tuple[dict, list[dict]]:
+    """Train a Llama-architecture target on ``stream`` windows of ``seq_len + 1`` tokens, from scratch or from
+    ``params`` (float32, e.g. an earlier phase on shorter windows).
 
     Returns float32 params (export with :func:`checkpoints_tools.hf.save_hf`) and the training history.
     """
     if family(config).name != "llama":
         raise ConfigError(f"train_target trains Llama / Qwen3 targets from scratch, not {config.architecture}")
     optim = optim or OptimConfig(total_steps=steps)
-    scale = init_scale if init_scale is not None else 1.0 / math.sqrt(config.hidden_size)
-    params = family(config).init_params(config, seed=seed, dtype=jnp.float32, scale=scale)
-    params = jax.tree_util.tree_map(
-        lambda p: jnp.ones_like(p) if p.ndim == 1 else p, params)  # norm weights start at 1 for training
+    if params is None:
+        scale = init_scale if init_scale is not None else 1.0 / math.sqrt(config.hidden_size)
+        params = family(config).init_params(config, seed=seed, dtype=jnp.float32, scale=scale)
+        params = jax.tree_util.tree_map(
+            lambda p: jnp.ones_like(p) if p.ndim == 1 else p, params)  # norm weights start at 1 for training
     loss_fn = lambda p, _, toks: lm_loss(config, p, toks, attention=attention, compute_dtype=compute_dtype)  # noqa
 
     eval_fn = None

@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--target-steps", type=int, default=600)
     ap.add_argument("--target-batch", type=int, default=4)
+    ap.add_argument("--short-steps", type=int, default=0,
+                    help="a first target phase of this many steps on short windows (0: none)")
+    ap.add_argument("--short-seq-len", type=int, default=512)
+    ap.add_argument("--short-batch", type=int, default=32)
     ap.add_argument("--recall-fraction", type=float, default=0.0, help="training windows with a recall span")
     ap.add_argument("--recall-span", default="64,1024", help="shortest,longest recall span (tokens)")
     ap.add_argument("--recall-noise", type=float, default=0.15, help="share of a recall passage's tokens replaced")
@@ -197,8 +201,17 @@ def main(argv: list[str] | None = None) -> int:
 
     tcfg = demo_target_config(len(tok), eos, max_len=max(32768, 2 * args.seq_len))
     t0 = time.perf_counter()
+    params, s_hist = None, []
+    if args.short_steps:
+        params, s_hist = train_target(
+            tcfg, train_stream, steps=args.short_steps, batch=args.short_batch, seq_len=args.short_seq_len,
+            optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.short_steps // 20), total_steps=args.short_steps),
+            ckpt_dir=None, seed=args.seed + 7, attention=args.attention,
+            log_every=max(1, args.short_steps // 20), progress=False)
+        for row in s_hist:
+            print("target-short", json.dumps(row), flush=True)
     params, t_hist = train_target(
-        tcfg, train_stream, steps=args.target_steps, batch=args.target_batch, seq_len=args.seq_len,
+        tcfg, train_stream, params=params, steps=args.target_steps, batch=args.target_batch, seq_len=args.seq_len,
         optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.target_steps // 20), total_steps=args.target_steps),
         ckpt_dir=out / "ckpt_target", seed=args.seed, attention=args.attention, eval_stream=held_stream,
         eval_every=max(1, args.target_steps // 4), log_every=max(1, args.target_steps // 20), progress=False)
@@ -207,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
                       "config": tcfg.to_hf_dict(), "steps": args.target_steps, "batch": args.target_batch,
                       "seq_len": args.seq_len, "recall_fraction": args.recall_fraction, "recall_span": list(span),
-                      "recall_noise": args.recall_noise,
+                      "recall_noise": args.recall_noise, "short_phase": {
+                          "steps": args.short_steps, "seq_len": args.short_seq_len, "batch": args.short_batch,
+                          "history": s_hist},
                       "train_seconds": time.perf_counter() - t0,
                       "final": t_hist[-1], "history": t_hist}
     from checkpoints_tools.hf import save_hf
