@@ -214,6 +214,8 @@ class EncodedDocument:
 
 def encode_documents(tokenizer, docs: list[Document]) -> list[EncodedDocument]:
     """Tokenize ``docs`` in one batched call (the tokenizer runs in parallel) and locate their file headers."""
+    if not docs:
+        return []
     enc = tokenizer([d.text for d in docs], return_offsets_mapping=True)
     out = []
     for d, ids, offsets in zip(docs, enc["input_ids"], enc["offset_mapping"]):

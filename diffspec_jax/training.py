@@ -61,21 +61,19 @@ class TokenStream:
         documents: int token arrays, one per document.
         eos_id: the separator put after every document.
         recall_fraction: the fraction of windows (0 to 1, default 0: plain windows) that get one **recall span**:
-            a passage of the window copied verbatim to a later place in the same window (overwriting what was
-            there), so a model trained on them learns to continue a passage it has seen earlier in its context,
-            at any distance up to the window length. Natural text has little verbatim long-range repetition, and a
-            small model trained briefly on it never learns to copy from far back; real LLMs do (quoting a
-            document, re-emitting a file to edit it), and that is the case target-guided retrieval serves.
+            a passage of the window copied to a later place in the same window (overwriting what was there), at
+            any distance the window allows, so a model trained on them learns to continue a passage it has seen
+            earlier in its context (quoting a document, re-emitting a file to edit it: the case target-guided
+            retrieval serves). Natural code repeats little verbatim from far back.
         recall_span: (shortest, longest) copied passage in tokens, capped at a quarter of the window.
         recall_noise: the share of the passage's tokens first replaced by tokens drawn at random from the stream
-            (its unigram distribution; default 0.15). A small model memorises its training text, and a memorised
-            passage teaches no copying: its second occurrence is predicted from memory. With the replaced tokens it
-            is predictable only by copying, while it still reads as natural text (a fully random passage, 1.0,
-            teaches a copying that does not carry over to natural text).
+            (its unigram distribution; default 0: verbatim). A model that has memorised its training text predicts
+            a verbatim repeat from memory and learns no copying from it; replaced tokens are predictable only by
+            copying.
     """
 
     def __init__(self, documents: list[np.ndarray], eos_id: int, recall_fraction: float = 0.0,
-                 recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.15):
+                 recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.0):
         if not 0.0 <= recall_fraction <= 1.0:
             raise ConfigError(f"recall_fraction must be in [0, 1], got {recall_fraction}")
         if not 0.0 <= recall_noise <= 1.0:

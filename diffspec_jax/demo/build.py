@@ -6,11 +6,14 @@ Steps, all recorded in ``DIR/model_card.json``:
    sources of installed packages named by ``--extra-packages`` (training only);
 2. tokenizer: byte-level BPE, vocabulary 4096, trained on the training split;
 3. target: a 6-layer Llama (about 6 M parameters) trained from scratch with optax on windows of ``--seq-len``
-   (default 16384) tokens, exported as a Hugging Face ``LlamaForCausalLM`` directory (bfloat16); half of the
-   windows carry a recall span (:class:`~diffspec_jax.training.TokenStream`), so the target learns to continue a
-   passage seen earlier in its context, as real LLMs do;
+   (default 16384) tokens, exported as a Hugging Face ``LlamaForCausalLM`` directory (bfloat16); optionally
+   after a ``--curriculum`` of phases on shorter windows, and with ``--recall-fraction`` of the windows carrying a
+   recall span (:class:`~diffspec_jax.training.TokenStream`: a passage copied to a later place in the window, so
+   the target learns to continue a passage it saw earlier, as real LLMs do). Both are off by default: the
+   committed pair was built without them (see ``benchmarks/README.md``, "Can the demo target copy?");
 4. draft: an EAGLE-3 draft trained with :mod:`diffspec_jax.train_draft` on 2048-token windows (as public drafts
-   are; recall spans too), draft vocabulary 2048, exported in the SpecForge / vLLM layout (bfloat16);
+   are; recall spans too when asked for), draft vocabulary 2048, exported in the SpecForge / vLLM layout
+   (bfloat16);
 5. evaluation: greedy speculative decoding of held-out prompts (both workloads of
    :func:`~diffspec_jax.corpus.held_out_prompts`) at 2K / 8K / 16K tokens with the ``full``, ``recent`` and
    ``diffspec`` policies, mean acceptance length and decode speed beside target-only decoding in the same run, a
@@ -32,8 +35,9 @@ import jax
 import numpy as np
 
 from diffspec_jax.config import ModelConfig, RopeConfig
-from diffspec_jax.corpus import (WORKLOADS, build_corpus, copied_fraction, encode_documents, held_out_prompts,
-                                 train_tokenizer)
+from diffspec_jax.errors import ConfigError
+from diffspec_jax.corpus import (HELD_OUT, WORKLOADS, build_corpus, copied_fraction, encode_documents,
+                                 held_out_prompts, train_tokenizer)
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
 
 CONTEXTS = (2048, 8192, 16384)
@@ -45,6 +49,18 @@ def demo_target_config(vocab: int, eos: int, max_len: int) -> ModelConfig:
                        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
                        rms_norm_eps=1e-5, max_position_embeddings=max_len, tie_word_embeddings=False,
                        rope=RopeConfig(theta=500000.0), dtype="bfloat16", bos_token_id=eos, eos_token_ids=(eos,))
+
+
+def parse_curriculum(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``"512:32:10000,2048:8:2000"`` -> ((512, 32, 10000), (2048, 8, 2000)): (window, batch, steps) per phase."""
+    try:
+        phases = tuple(tuple(int(x) for x in part.split(":")) for part in text.split(",") if part)
+    except ValueError:
+        phases = ((),)
+    if any(len(p) != 3 or min(p) < 1 for p in phases):
+        raise argparse.ArgumentTypeError(f"--curriculum wants SEQ_LEN:BATCH:STEPS[,...] with positive integers, "
+                                         f"got {text!r}")
+    return phases
 
 
 def evaluate(target, draft, prompts_by_case: dict[tuple[str, int], list], new_tokens: int, k: int, budget: int,
@@ -99,18 +115,19 @@ def model_card_markdown(card: dict) -> str:
           if d.get("extra_packages") else []),
         f"- Documents are packages (files concatenated): repository-level context. Training tokens: "
         f"{d.get('train_tokens')}; held-out tokens: {d.get('held_out_tokens')}.",
-        f"- Recall spans: {t.get('recall_fraction', 0):.0%} of the target's training windows and "
-        f"{dr.get('recall_fraction', 0):.0%} of the draft's copy a passage of {t.get('recall_span')} tokens to a "
-        "later place in the same window, so the pair learns to continue a passage seen earlier in its context "
-        "(natural code repeats little verbatim, and without them the target never learned to copy from far back).",
+        *([f"- Recall spans: {t['recall_fraction']:.0%} of the training windows copy a passage of "
+           f"{t['recall_span'][0]}-{t['recall_span'][1]} tokens ({t['recall_noise']:.0%} of its tokens replaced "
+           "first) to a later place in the same window."] if t.get("recall_fraction") else []),
         f"- sha256 of the training text {d['train_sha256']}, of the held-out text {d['held_out_sha256']}; "
         "file lists in `corpus_files.json`.",
         f"- Tokenizer: byte-level BPE, vocabulary {card['tokenizer']['vocab_size']} (`target/tokenizer.json`).", "",
         "## Models",
         f"- Target: `LlamaForCausalLM`, {t['parameters']:,} parameters, {t['config']['num_hidden_layers']} layers, "
         f"hidden {t['config']['hidden_size']}, {t['config']['num_attention_heads']} heads / "
-        f"{t['config']['num_key_value_heads']} KV heads, trained {t['steps']} steps x {t['batch']} sequences of "
-        f"{t['seq_len']} tokens (AdamW, warm-up + cosine) in {t['train_seconds']:.0f} s; final train loss "
+        f"{t['config']['num_key_value_heads']} KV heads, trained "
+        + "".join(f"{p['steps']} steps x {p['batch']} sequences of {p['seq_len']} tokens, then "
+                  for p in t.get("curriculum", []))
+        + f"{t['steps']} steps x {t['batch']} sequences of {t['seq_len']} tokens (AdamW, warm-up + cosine) in {t['train_seconds']:.0f} s; final train loss "
         f"{t['final']['loss']:.3f}, held-out loss {t['final'].get('eval_loss', float('nan')):.3f} (nats/token). "
         "Stored in bfloat16.",
         f"- Draft: EAGLE-3 (SpecForge / vLLM layout), {dr['parameters']:,} trainable parameters (embedding shared "
@@ -147,13 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--target-steps", type=int, default=600)
     ap.add_argument("--target-batch", type=int, default=4)
-    ap.add_argument("--short-steps", type=int, default=0,
-                    help="a first target phase of this many steps on short windows (0: none)")
-    ap.add_argument("--short-seq-len", type=int, default=512)
-    ap.add_argument("--short-batch", type=int, default=32)
+    ap.add_argument("--curriculum", type=parse_curriculum, default=(),
+                    help="target phases before the main one, SEQ_LEN:BATCH:STEPS[,...], e.g. 512:32:10000")
     ap.add_argument("--recall-fraction", type=float, default=0.0, help="training windows with a recall span")
     ap.add_argument("--recall-span", default="64,1024", help="shortest,longest recall span (tokens)")
-    ap.add_argument("--recall-noise", type=float, default=0.15, help="share of a recall passage's tokens replaced")
+    ap.add_argument("--recall-noise", type=float, default=0.0, help="share of a recall passage's tokens replaced")
     ap.add_argument("--draft-steps", type=int, default=800)
     ap.add_argument("--draft-batch", type=int, default=8)
     ap.add_argument("--draft-seq-len", type=int, default=2048)
@@ -183,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
 
     extra = tuple(x for x in args.extra_packages.split(",") if x)
     corpus = build_corpus(max_files=args.max_files, extra_packages=extra)
+    if not corpus.held_out:
+        raise ConfigError(f"the corpus has no held-out documents (packages {', '.join(HELD_OUT)}): --max-files "
+                          f"{args.max_files} keeps too few files")
     card["data"] = {k: v for k, v in corpus.manifest.items() if k != "files"}
     (out / "corpus_files.json").write_text(json.dumps(corpus.manifest["files"]) + "\n")
     tok = train_tokenizer([d.text for d in corpus.train], args.vocab)
@@ -201,15 +219,16 @@ def main(argv: list[str] | None = None) -> int:
 
     tcfg = demo_target_config(len(tok), eos, max_len=max(32768, 2 * args.seq_len))
     t0 = time.perf_counter()
-    params, s_hist = None, []
-    if args.short_steps:
-        params, s_hist = train_target(
-            tcfg, train_stream, steps=args.short_steps, batch=args.short_batch, seq_len=args.short_seq_len,
-            optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.short_steps // 20), total_steps=args.short_steps),
-            ckpt_dir=None, seed=args.seed + 7, attention=args.attention,
-            log_every=max(1, args.short_steps // 20), progress=False)
-        for row in s_hist:
-            print("target-short", json.dumps(row), flush=True)
+    params, phases = None, []
+    for seq_len, batch, steps in args.curriculum:
+        params, hist = train_target(
+            tcfg, train_stream, params=params, steps=steps, batch=batch, seq_len=seq_len,
+            optim=OptimConfig(lr=3e-3, warmup_steps=max(1, steps // 20), total_steps=steps),
+            seed=args.seed + len(phases) + 1, attention=args.attention, log_every=max(1, steps // 20),
+            progress=False)
+        for row in hist:
+            print(f"target-{seq_len}", json.dumps(row), flush=True)
+        phases.append({"seq_len": seq_len, "batch": batch, "steps": steps, "final": hist[-1], "history": hist})
     params, t_hist = train_target(
         tcfg, train_stream, params=params, steps=args.target_steps, batch=args.target_batch, seq_len=args.seq_len,
         optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.target_steps // 20), total_steps=args.target_steps),
@@ -220,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
                       "config": tcfg.to_hf_dict(), "steps": args.target_steps, "batch": args.target_batch,
                       "seq_len": args.seq_len, "recall_fraction": args.recall_fraction, "recall_span": list(span),
-                      "recall_noise": args.recall_noise, "short_phase": {
-                          "steps": args.short_steps, "seq_len": args.short_seq_len, "batch": args.short_batch,
-                          "history": s_hist},
+                      "recall_noise": args.recall_noise, "curriculum": phases,
                       "train_seconds": time.perf_counter() - t0,
                       "final": t_hist[-1], "history": t_hist}
     from checkpoints_tools.hf import save_hf

@@ -1,0 +1,131 @@
+"""Copy probe: does a target continue a passage it saw earlier in its context, and from how far back?
+
+    python benchmarks/copy_probe.py --target diffspec_jax/demo/pair/target [--target DIR ...] \\
+        --gaps 256,2048,8192 --out benchmarks/results/copy_probe.json
+
+DiffSpec's retrieval can beat a recent window only when the target reads far context: when what it writes next
+depends on tokens the window no longer holds. This probe measures that directly. Each sequence is
+``passage + filler + passage``: ``--span`` tokens, then ``gap`` tokens, then the same passage again. The target
+predicts every token of the sequence (teacher-forced, one full forward pass) and the probe reports top-1 accuracy
+on the passage's second occurrence beside its first. A target that copies scores near 1 on the second occurrence;
+one that does not scores as on the first.
+
+Two kinds of passage, both followed by natural filler:
+
+* ``natural``: a window of held-out code (the standard library packages the demo pair never trained on,
+  tokenized with each target's own tokenizer) and the text that follows it as filler, so the first occurrence
+  reads as ordinary code;
+* ``random``: uniform random token ids, predictable on their second occurrence only by copying (first: about 0).
+
+The JSON holds, per target, its weight hashes and build settings (``model_card.json`` next to it, when there is
+one) and per (kind, gap) the mean accuracies on both occurrences and each passage's. Accuracy is not speed, so
+the figures do not depend on the machine beyond float rounding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, write_json  # noqa: E402
+
+KINDS = ("natural", "random")
+
+
+def copy_sequences(doc: np.ndarray, vocab: int, span: int, gap: int, count: int, seed: int) -> dict[str, np.ndarray]:
+    """int32 ``[count, 2 * span + gap]`` sequences ``passage + filler + passage`` per kind.
+
+    ``natural``: passage ``doc[s : s + span]``, filler ``doc[s + span : s + span + gap]`` (seeded random starts
+    ``s``); ``random``: uniform ids in ``[1, vocab)`` as passage, the same filler.
+    """
+    if len(doc) < span + gap + 1:
+        raise SystemExit(f"the held-out document has {len(doc)} tokens, too few for a {span}-token passage and a "
+                         f"{gap}-token gap")
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, len(doc) - span - gap + 1, count)
+    out = {k: [] for k in KINDS}
+    for s in starts:
+        passage, filler = doc[s:s + span], doc[s + span:s + span + gap]
+        noise = rng.integers(1, vocab, span).astype(np.int32)
+        for kind, p in (("natural", passage), ("random", noise)):
+            out[kind].append(np.concatenate([p, filler, p]))
+    return {k: np.stack(v).astype(np.int32) for k, v in out.items()}
+
+
+def copy_accuracy(pred: np.ndarray, seq: np.ndarray, span: int, gap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-1 accuracy per row on the passage's first and second occurrence.
+
+    ``pred[:, i]`` is the prediction for ``seq[:, i + 1]``; each occurrence scores its tokens 2..span (its first
+    token follows unrelated text and cannot be copied).
+    """
+    second = span + gap
+    hit = pred[:, :-1] == seq[:, 1:]
+    return hit[:, :span - 1].mean(axis=1), hit[:, second:second + span - 1].mean(axis=1)
+
+
+def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, seed: int, dtype: str) -> dict:
+    import jax.numpy as jnp
+    from transformers import AutoTokenizer
+
+    from benchmarks.paired import file_hashes
+    from diffspec_jax.corpus import encode_documents
+    from diffspec_jax.target import forward, load_target
+
+    model = load_target(path, dtype)
+    tok = AutoTokenizer.from_pretrained(path)
+    doc = max((e.ids for e in encode_documents(tok, docs)), key=len)
+    card = path.parent / "model_card.json"
+    entry = {"path": str(path), "weights": file_hashes(path), "dtype": dtype, "held_out_document_tokens": len(doc),
+             "build_settings": json.loads(card.read_text()).get("settings") if card.is_file() else None, "rows": []}
+    for gap in gaps:
+        seqs = copy_sequences(doc, model.config.vocab_size, span, gap, count, seed)
+        for kind in KINDS:
+            # one sequence per call: the reference forward materialises [T, T] scores
+            pred = np.concatenate([np.asarray(jnp.argmax(forward(model, s[None]), -1)) for s in seqs[kind]])
+            first, second = copy_accuracy(pred, seqs[kind], span, gap)
+            row = {"kind": kind, "gap": gap, "first_occurrence_accuracy": float(first.mean()),
+                   "second_occurrence_accuracy": float(second.mean()),
+                   "per_passage": {"first": first.tolist(), "second": second.tolist()}}
+            entry["rows"].append(row)
+            print(json.dumps({"target": str(path), **{k: v for k, v in row.items() if k != "per_passage"}}),
+                  flush=True)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", action="append", help="target directory (repeat for several; default: demo pair)")
+    ap.add_argument("--gaps", default="256,2048,8192", help="tokens between the two occurrences")
+    ap.add_argument("--span", type=int, default=256, help="passage length (tokens)")
+    ap.add_argument("--passages", type=int, default=4, help="passages per (kind, gap)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-files", type=int, default=None, help="small held-out corpus (smoke tests)")
+    ap.add_argument("--out", default="benchmarks/results/copy_probe.json")
+    args = ap.parse_args(argv)
+    if args.span < 2 or args.passages < 1:
+        raise SystemExit("--span must be at least 2 and --passages at least 1")
+    gaps = [int(g) for g in args.gaps.split(",") if g]
+    from diffspec_jax.corpus import HELD_OUT, build_corpus
+
+    corpus = build_corpus(max_files=args.max_files)
+    if not corpus.held_out:
+        raise SystemExit("no held-out documents in the corpus (raise --max-files)")
+    targets = [Path(t) for t in (args.target or ["diffspec_jax/demo/pair/target"])]
+    payload = {"environment": environment(sys.argv if argv is None else ["benchmarks/copy_probe.py", *argv]),
+               "settings": {**vars(args), "gaps": gaps, "held_out_packages": list(HELD_OUT)},
+               "held_out_sha256": corpus.manifest.get("held_out_sha256"),
+               "targets": [probe_target(t, corpus.held_out, span=args.span, gaps=gaps, count=args.passages,
+                                        seed=args.seed, dtype=args.dtype) for t in targets]}
+    print("wrote", write_json(args.out, payload))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
