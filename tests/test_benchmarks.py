@@ -134,3 +134,59 @@ def test_paired_on_held_out_recall_prompts(tmp_path):
     assert [p["distance"] >= 384 for p in case["prompts"]] == [True, True]
     assert 0.0 <= case["target_copied_fraction"] <= 1.0
     assert case["methods"]["diffspec"]["retrievals"] >= 1
+
+
+def test_copy_probe_sequences_and_accuracy():
+    from benchmarks.copy_probe import copy_accuracy, copy_sequences
+
+    rng = np.random.default_rng(2)
+    doc = rng.integers(1, 900, 3000).astype(np.int32)
+    seqs = copy_sequences(doc, 1000, span=20, gap=50, count=3, seed=0)
+    text = doc.tobytes()
+    for kind, s in seqs.items():
+        assert s.shape == (3, 90) and s.dtype == np.int32
+        assert np.array_equal(s[:, :20], s[:, 70:])  # the passage, again after the gap
+        assert all(row[20:70].tobytes() in text for row in s)  # natural filler
+    assert all(row[:70].tobytes() in text for row in seqs["natural"])  # passage + the text that follows it
+    assert np.array_equal(seqs["natural"][:, 20:70], seqs["random"][:, 20:70])
+    assert not any(row[:20].tobytes() in text for row in seqs["random"])
+    s = seqs["natural"]
+    pred = np.full_like(s, -1)
+    pred[:, :-1] = s[:, 1:]  # perfect predictions everywhere
+    first, second = copy_accuracy(pred, s, 20, 50)
+    assert first.tolist() == [1.0] * 3 and second.tolist() == [1.0] * 3
+    pred[:, 70:79] = -1  # the second occurrence's tokens 2..10 wrong
+    pred[1, 0] = -1
+    first, second = copy_accuracy(pred, s, 20, 50)
+    assert np.allclose(second, 10 / 19) and np.allclose(first, [1.0, 18 / 19, 1.0])
+    with pytest.raises(SystemExit, match="too few"):
+        copy_sequences(doc[:60], 1000, span=20, gap=50, count=1, seed=0)
+
+
+def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
+    """The probe's accuracies on the demo target, recomputed from the same sequences with transformers (torch)."""
+    import torch
+    import transformers
+
+    from benchmarks import copy_probe
+    from diffspec_jax import demo
+    from diffspec_jax.corpus import build_corpus, encode_documents
+
+    out = tmp_path / "probe.json"
+    assert copy_probe.main(["--gaps", "40", "--span", "24", "--passages", "2", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    entry = data["targets"][0]
+    assert entry["path"].endswith("target") and entry["weights"] and "git_commit" in data["environment"]
+    assert {(r["kind"], r["gap"]) for r in entry["rows"]} == {("natural", 40), ("random", 40)}
+    tok = transformers.AutoTokenizer.from_pretrained(demo.target_dir())
+    doc = max((e.ids for e in encode_documents(tok, build_corpus().held_out)), key=len)
+    assert entry["held_out_document_tokens"] == len(doc)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(demo.target_dir(), dtype=torch.float32)
+    seqs = copy_probe.copy_sequences(doc, hf.config.vocab_size, 24, 40, 2, seed=0)
+    for row in entry["rows"]:
+        with torch.no_grad():
+            pred = hf(torch.as_tensor(seqs[row["kind"]], dtype=torch.long)).logits.argmax(-1).numpy()
+        first, second = copy_probe.copy_accuracy(pred, seqs[row["kind"]], 24, 40)
+        assert np.abs(first - row["per_passage"]["first"]).max() <= 2 / 23  # float near-ties may flip a token
+        assert np.abs(second - row["per_passage"]["second"]).max() <= 2 / 23
+        assert row["second_occurrence_accuracy"] == pytest.approx(float(np.mean(row["per_passage"]["second"])))

@@ -201,3 +201,75 @@ def test_installed_package_copies_of_held_out_files_are_left_out(tmp_path, monke
     files = {d.name: d.files for d in c.train}
     assert files == {"heapq": ["heapq.py"], "fakepkg_diffspec": ["fakepkg_diffspec/__init__.py"],
                      "fakepkg_diffspec/_vendor": ["fakepkg_diffspec/_vendor/other.py"]}
+
+
+def test_recall_spans_copy_a_passage_later_in_the_window():
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(1, 50_000, 4000).astype(np.int32) for _ in range(3)]  # random ids: no accidental repeats
+    plain = TokenStream(docs, 0)
+    spans = TokenStream(docs, 0, recall_fraction=1.0, recall_span=(16, 40))
+    a, b = plain.batch(3, 6, 200, seed=1), spans.batch(3, 6, 200, seed=1)
+    assert np.array_equal(b, spans.batch(3, 6, 200, seed=1))  # a function of (seed, step)
+    text = plain.tokens.tobytes()
+    for row, copied in zip(a, b):
+        assert row.tobytes() in text  # plain windows are stretches of the stream
+        changed = np.flatnonzero(row != copied)
+        dst, n = changed[0], changed[-1] - changed[0] + 1
+        assert 16 <= n <= 40 and np.array_equal(changed, np.arange(dst, dst + n))  # one block overwritten
+        src = int(np.flatnonzero(row == copied[dst])[0])  # the passage's first copy, in the untouched window
+        assert src + n <= dst and np.array_equal(copied[dst:dst + n], row[src:src + n])
+        assert np.array_equal(copied[src:src + n], row[src:src + n])
+    noisy = TokenStream(docs, 0, recall_fraction=1.0, recall_span=(16, 16), recall_noise=1.0).batch(3, 6, 200, seed=1)
+    for row, copied in zip(a, noisy):
+        changed = np.flatnonzero(row != copied)  # the source passage replaced, then copied: two blocks of 16
+        src, dst = changed[0], changed[-16]
+        assert len(changed) == 32 and np.array_equal(copied[src:src + 16], copied[dst:dst + 16])
+        assert copied[src:src + 16].tobytes() not in row.tobytes()
+
+
+def test_recall_span_bounds_and_config_errors():
+    from diffspec_jax.errors import ConfigError
+    from diffspec_jax.training import recall_span_of
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        src, dst, n = recall_span_of(rng, 101, (5, 40))
+        assert 5 <= n <= 25 and 0 <= src and src + n <= dst and dst + n <= 101  # capped at a quarter window
+    assert recall_span_of(rng, 15, (5, 40)) is None
+    docs = [np.arange(1, 100, dtype=np.int32)]
+    for kw in (dict(recall_fraction=1.5), dict(recall_noise=-0.1), dict(recall_span=(0, 4)),
+               dict(recall_span=(9, 4))):
+        with pytest.raises(ConfigError):
+            TokenStream(docs, 0, **kw)
+
+
+def test_train_target_continues_from_given_params(corpus_stream):
+    """A later phase starts from the earlier phase's params, not a fresh init: with the warm-up's zero first
+    learning rate, one step returns them unchanged."""
+    import jax
+
+    from checkpoints_tools.make_tiny import tiny_config
+    from diffspec_jax.models import family
+
+    tok, stream, _ = corpus_stream
+    cfg = tiny_config("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    start = family(cfg).init_params(cfg, seed=11, dtype=jnp.float32, scale=0.05)
+    kw = dict(steps=1, batch=2, seq_len=32, progress=False, optim=OptimConfig(lr=3e-3, warmup_steps=4,
+                                                                              total_steps=8))
+    kept, _ = train_target(cfg, stream, params=start, **kw)
+    fresh, _ = train_target(cfg, stream, **kw)
+    same = jax.tree_util.tree_map(lambda x, y: bool(np.array_equal(x, y)), kept, start)
+    assert all(jax.tree_util.tree_leaves(same))
+    assert not np.array_equal(fresh["layers"][0]["wq"], start["layers"][0]["wq"])
+
+
+def test_build_curriculum_option():
+    import argparse
+
+    from diffspec_jax.demo.build import parse_curriculum
+
+    assert parse_curriculum("512:32:10000,2048:8:2000") == ((512, 32, 10000), (2048, 8, 2000))
+    assert parse_curriculum("") == ()
+    for bad in ("512:32", "512:0:10", "a:b:c", "512:32:10:1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="SEQ_LEN:BATCH:STEPS"):
+            parse_curriculum(bad)

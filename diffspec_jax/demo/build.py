@@ -35,9 +35,9 @@ import jax
 import numpy as np
 
 from diffspec_jax.config import ModelConfig, RopeConfig
-from diffspec_jax.errors import ConfigError
 from diffspec_jax.corpus import (HELD_OUT, WORKLOADS, build_corpus, copied_fraction, encode_documents,
                                  held_out_prompts, train_tokenizer)
+from diffspec_jax.errors import ConfigError
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
 
 CONTEXTS = (2048, 8192, 16384)
@@ -127,7 +127,8 @@ def model_card_markdown(card: dict) -> str:
         f"{t['config']['num_key_value_heads']} KV heads, trained "
         + "".join(f"{p['steps']} steps x {p['batch']} sequences of {p['seq_len']} tokens, then "
                   for p in t.get("curriculum", []))
-        + f"{t['steps']} steps x {t['batch']} sequences of {t['seq_len']} tokens (AdamW, warm-up + cosine) in {t['train_seconds']:.0f} s; final train loss "
+        + f"{t['steps']} steps x {t['batch']} sequences of {t['seq_len']} tokens (AdamW, warm-up + cosine) in "
+        f"{t['train_seconds']:.0f} s; final train loss "
         f"{t['final']['loss']:.3f}, held-out loss {t['final'].get('eval_loss', float('nan')):.3f} (nats/token). "
         "Stored in bfloat16.",
         f"- Draft: EAGLE-3 (SpecForge / vLLM layout), {dr['parameters']:,} trainable parameters (embedding shared "
@@ -186,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="evaluation workloads")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    try:
+        span = tuple(int(x) for x in args.recall_span.split(","))
+        if len(span) != 2:
+            raise ValueError(span)
+    except ValueError:
+        ap.error(f"--recall-span wants SHORTEST,LONGEST in tokens, got {args.recall_span!r}")
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
@@ -207,7 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     tok.save_pretrained(out / "target")
     eos = tok.eos_token_id
     encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731
-    span = tuple(int(x) for x in args.recall_span.split(","))
     train_stream = TokenStream(encode(corpus.train), eos, recall_fraction=args.recall_fraction,
                                recall_span=span, recall_noise=args.recall_noise)
     held_enc = encode_documents(tok, corpus.held_out)
