@@ -147,3 +147,17 @@ def test_model_card_lists_workloads():
     assert "the sources of numpy 2.0.1 (one document per directory)" in text
     assert "| recall | 16384 | target-only (copies 25%) | - | 1000 | 1.00 |" in text
     assert "| recall | 16384 | diffspec | 2.50 | 1500 | 1.50 |" in text
+
+
+def test_model_card_describes_curriculum_and_recall_spans():
+    from diffspec_jax.demo.build import model_card_markdown
+
+    card = json.loads((demo.PAIR / "model_card.json").read_text())
+    md = model_card_markdown(card)
+    assert "Recall spans" not in md and "trained 600 steps x 4 sequences of 16384 tokens (AdamW" in md
+    card["target"].update(recall_fraction=1.0, recall_span=[64, 1024], recall_noise=0.0,
+                          curriculum=[{"seq_len": 512, "batch": 32, "steps": 10000}])
+    md = model_card_markdown(card)
+    assert "trained 10000 steps x 32 sequences of 512 tokens, then 600 steps x 4 sequences of 16384 tokens" in md
+    assert ("Recall spans: 100% of the training windows copy a passage of 64-1024 tokens (0% of its tokens "
+            "replaced first)") in md
