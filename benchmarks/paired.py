@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, write_json  # noqa: E402
+from diffspec_jax.corpus import WORKLOADS  # noqa: E402
 
 METHODS = ("target", "eagle3-full", "eagle3-recent", "diffspec")
 #: every method: ``<x>-tree`` is method x with tree drafting + tree verification (``--tree-nodes``, ``--tree-topk``)
@@ -161,7 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default=None)
     ap.add_argument("--prompt-source", default=None, help="a text file to cut windows from instead of the held-out "
                                                           "packages of the demo pair's corpus")
-    ap.add_argument("--workload", default="windows", choices=("windows", "recall"),
+    ap.add_argument("--workload", default="windows", choices=WORKLOADS,
                     help="held-out prompts: random windows, or windows that end re-emitting a file far back")
     ap.add_argument("--random-prompts", action="store_true", help="prompts of random token ids (random models)")
     ap.add_argument("--contexts", default="2048,8192,16384")
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
     args.methods = methods
     import diffspec_jax as dj
     from diffspec_jax import demo
-    from diffspec_jax.corpus import build_corpus, copied_fraction, encode_documents, held_out_prompts
+    from diffspec_jax.corpus import (DEMO_PROMPT_PACKAGE, build_corpus, copied_fraction, encode_documents,
+                                     held_out_prompts)
 
     tdir = Path(args.target) if args.target else demo.target_dir()
     ddir = Path(args.draft) if args.draft else (demo.draft_dir() if not args.target else None)
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
                           "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "tokens": int(len(source))}
         else:
             corpus = build_corpus()
-            docs = encode_documents(tok, [d for d in corpus.held_out if d.name != "argparse"])  # argparse: demo prompt
+            docs = encode_documents(tok, [d for d in corpus.held_out if d.name != DEMO_PROMPT_PACKAGE])
             input_desc = {"kind": f"held-out packages, workload {args.workload!r}", "python": corpus.manifest["python"],
                           "held_out_sha256": corpus.manifest["held_out_sha256"],
                           "packages": [d.name for d in docs]}

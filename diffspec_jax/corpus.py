@@ -29,6 +29,8 @@ import numpy as np
 
 #: packages held out of training (evaluation prompts and the demo prompt come from these)
 HELD_OUT = ("argparse", "csv", "email", "http", "json", "logging", "tarfile")
+#: the held-out package the demo prompt comes from, left out of the evaluation prompts
+DEMO_PROMPT_PACKAGE = "argparse"
 #: directories never used
 EXCLUDED = ("encodings", "pydoc_data", "idlelib", "test", "tests", "site-packages", "dist-packages",
             "turtledemo", "ensurepip", "__pycache__", "lib2to3", "venv")

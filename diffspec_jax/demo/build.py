@@ -35,8 +35,8 @@ import jax
 import numpy as np
 
 from diffspec_jax.config import ModelConfig, RopeConfig
-from diffspec_jax.corpus import (HELD_OUT, WORKLOADS, build_corpus, copied_fraction, encode_documents,
-                                 held_out_prompts, train_tokenizer)
+from diffspec_jax.corpus import (DEMO_PROMPT_PACKAGE, HELD_OUT, WORKLOADS, build_corpus, copied_fraction,
+                                 encode_documents, held_out_prompts, train_tokenizer)
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
 
@@ -61,6 +61,17 @@ def parse_curriculum(text: str) -> tuple[tuple[int, int, int], ...]:
         raise argparse.ArgumentTypeError(f"--curriculum wants SEQ_LEN:BATCH:STEPS[,...] with positive integers, "
                                          f"got {text!r}")
     return phases
+
+
+def parse_recall_span(text: str) -> tuple[int, int]:
+    """``"64,1024"`` -> (64, 1024): the shortest and longest recall span in tokens."""
+    try:
+        span = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        span = ()
+    if len(span) != 2:
+        raise argparse.ArgumentTypeError(f"--recall-span wants SHORTEST,LONGEST in tokens, got {text!r}")
+    return span
 
 
 def evaluate(target, draft, prompts_by_case: dict[tuple[str, int], list], new_tokens: int, k: int, budget: int,
@@ -168,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curriculum", type=parse_curriculum, default=(),
                     help="target phases before the main one, SEQ_LEN:BATCH:STEPS[,...], e.g. 512:32:10000")
     ap.add_argument("--recall-fraction", type=float, default=0.0, help="training windows with a recall span")
-    ap.add_argument("--recall-span", default="64,1024", help="shortest,longest recall span (tokens)")
+    ap.add_argument("--recall-span", type=parse_recall_span, default=(64, 1024),
+                    help="shortest,longest recall span (tokens)")
     ap.add_argument("--recall-noise", type=float, default=0.0, help="share of a recall passage's tokens replaced")
     ap.add_argument("--draft-steps", type=int, default=800)
     ap.add_argument("--draft-batch", type=int, default=8)
@@ -187,12 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="evaluation workloads")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    try:
-        span = tuple(int(x) for x in args.recall_span.split(","))
-        if len(span) != 2:
-            raise ValueError(span)
-    except ValueError:
-        ap.error(f"--recall-span wants SHORTEST,LONGEST in tokens, got {args.recall_span!r}")
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     eos = tok.eos_token_id
     encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731
     train_stream = TokenStream(encode(corpus.train), eos, recall_fraction=args.recall_fraction,
-                               recall_span=span, recall_noise=args.recall_noise)
+                               recall_span=args.recall_span, recall_noise=args.recall_noise)
     held_enc = encode_documents(tok, corpus.held_out)
     held_docs = {e.name: e.ids for e in held_enc}
     held_stream = TokenStream(list(held_docs.values()), eos)
@@ -244,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         print("target", json.dumps(row), flush=True)
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
                       "config": tcfg.to_hf_dict(), "steps": args.target_steps, "batch": args.target_batch,
-                      "seq_len": args.seq_len, "recall_fraction": args.recall_fraction, "recall_span": list(span),
-                      "recall_noise": args.recall_noise, "curriculum": phases,
+                      "seq_len": args.seq_len, "recall_fraction": args.recall_fraction,
+                      "recall_span": list(args.recall_span), "recall_noise": args.recall_noise, "curriculum": phases,
                       "train_seconds": time.perf_counter() - t0,
                       "final": t_hist[-1], "history": t_hist}
     from checkpoints_tools.hf import save_hf
@@ -277,16 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out / "ckpt_draft", ignore_errors=True)
 
     # the demo prompt: the opening of a held-out module
-    argparse_ids = held_docs.get("argparse", next(iter(held_docs.values())))
+    argparse_ids = held_docs.get(DEMO_PROMPT_PACKAGE, next(iter(held_docs.values())))
     prompt_ids = argparse_ids[: min(len(argparse_ids), 10000)]
     (out / "demo_prompt.txt").write_text(tok.decode(prompt_ids))
-    card["demo_prompt"] = {"source": "held-out stdlib module argparse", "tokens": int(len(prompt_ids))}
+    card["demo_prompt"] = {"source": f"held-out stdlib module {DEMO_PROMPT_PACKAGE}", "tokens": int(len(prompt_ids))}
 
     from diffspec_jax import load_draft
 
     target = load_target(out / "target", dtype="bfloat16")
     draft = load_draft(out / "draft", target)
-    eval_docs = [e for e in held_enc if e.name != "argparse"]  # the demo prompt's package is left out
+    eval_docs = [e for e in held_enc if e.name != DEMO_PROMPT_PACKAGE]
     prompts = {(w, ctx): held_out_prompts(eval_docs, ctx, args.eval_prompts, args.seed + 7 + ctx, w,
                                           new_tokens=args.eval_new_tokens)
                for w in args.workloads.split(",") for ctx in (int(c) for c in args.contexts.split(","))}
