@@ -10,7 +10,9 @@ Steps, all recorded in ``DIR/model_card.json``:
    after a ``--curriculum`` of phases on shorter windows, and with ``--recall-fraction`` of the windows carrying a
    recall span (:class:`~diffspec_jax.training.TokenStream`: a passage copied to a later place in the window, so
    the target learns to continue a passage it saw earlier, as real LLMs do). Both are off by default: the
-   committed pair was built without them (see ``benchmarks/README.md``, "Can the demo target copy?");
+   committed pair was built without them (see ``benchmarks/README.md``, "Can the demo target copy?").
+   ``--init-target DIR`` continues training an earlier build's target (its tokenizer and weights) instead of
+   training a tokenizer and a target from scratch, so training can be spread over several GPU sessions;
 4. draft: an EAGLE-3 draft trained with :mod:`diffspec_jax.train_draft` on 2048-token windows (as public drafts
    are; recall spans too when asked for), draft vocabulary 2048, exported in the SpecForge / vLLM layout
    (bfloat16);
@@ -37,7 +39,7 @@ import numpy as np
 from diffspec_jax.config import ModelConfig, RopeConfig
 from diffspec_jax.corpus import (DEMO_PROMPT_PACKAGE, HELD_OUT, WORKLOADS, build_corpus, copied_fraction,
                                  encode_documents, held_out_prompts, train_tokenizer)
-from diffspec_jax.errors import ConfigError
+from diffspec_jax.errors import CheckpointError, ConfigError
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
 
 CONTEXTS = (2048, 8192, 16384)
@@ -72,6 +74,46 @@ def parse_recall_span(text: str) -> tuple[int, int]:
     if len(span) != 2:
         raise argparse.ArgumentTypeError(f"--recall-span wants SHORTEST,LONGEST in tokens, got {text!r}")
     return span
+
+
+#: the ModelConfig fields an ``--init-target`` checkpoint must share with :func:`demo_target_config`
+INIT_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def initial_target(path: str | Path):
+    """(tokenizer, float32 params in the training layout, model-card entry) of an earlier demo target
+    (``--init-target``): a build's ``target/`` directory, tokenizer included. The card entry names the checkpoint
+    (sha256 of its files) and, when the build's ``model_card.json`` sits beside it, how that target was trained.
+
+    Raises:
+        CheckpointError: no checkpoint or no tokenizer at ``path``.
+        ConfigError: a checkpoint whose shapes are not the demo target's.
+    """
+    from transformers import AutoTokenizer
+
+    from checkpoints_tools.inspect import sha256_file
+    from diffspec_jax.target import load_target
+
+    path = Path(path)
+    model = load_target(path, "float32", fuse_projections=False)
+    if not (path / "tokenizer.json").is_file():
+        raise CheckpointError(f"--init-target {path} has no tokenizer.json: give a demo build's target directory")
+    tok = AutoTokenizer.from_pretrained(path)
+    want = demo_target_config(len(tok), tok.eos_token_id, model.config.max_position_embeddings)
+    for name in INIT_FIELDS:
+        if getattr(model.config, name) != getattr(want, name):
+            raise ConfigError(f"--init-target {path}: {name} is {getattr(model.config, name)!r}, the demo target "
+                              f"has {getattr(want, name)!r}")
+    entry = {"path": str(path), "sha256": {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors"))}}
+    card = path.parent / "model_card.json"
+    if card.is_file():
+        prev = json.loads(card.read_text())
+        entry["trained_by"] = {"command": prev["commands"]["build"],
+                               "steps": prev["target"]["steps"]
+                               + sum(p["steps"] for p in prev["target"].get("curriculum", [])),
+                               "init_target": prev["target"].get("init_target")}
+    return tok, model.params, entry
 
 
 def evaluate(target, draft, prompts_by_case: dict[tuple[str, int], list], new_tokens: int, k: int, budget: int,
@@ -135,7 +177,11 @@ def model_card_markdown(card: dict) -> str:
         "## Models",
         f"- Target: `LlamaForCausalLM`, {t['parameters']:,} parameters, {t['config']['num_hidden_layers']} layers, "
         f"hidden {t['config']['hidden_size']}, {t['config']['num_attention_heads']} heads / "
-        f"{t['config']['num_key_value_heads']} KV heads, trained "
+        f"{t['config']['num_key_value_heads']} KV heads, "
+        + (f"continued from `{t['init_target']['path']}` "
+           f"({t['init_target'].get('trained_by', {}).get('steps', '?')} earlier steps), " if t.get("init_target")
+           else "")
+        + "trained "
         + "".join(f"{p['steps']} steps x {p['batch']} sequences of {p['seq_len']} tokens, then "
                   for p in t.get("curriculum", []))
         + f"{t['steps']} steps x {t['batch']} sequences of {t['seq_len']} tokens (AdamW, warm-up + cosine) in "
@@ -178,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-batch", type=int, default=4)
     ap.add_argument("--curriculum", type=parse_curriculum, default=(),
                     help="target phases before the main one, SEQ_LEN:BATCH:STEPS[,...], e.g. 512:32:10000")
+    ap.add_argument("--init-target", default=None,
+                    help="continue training this earlier build's target directory (its tokenizer and weights)")
     ap.add_argument("--recall-fraction", type=float, default=0.0, help="training windows with a recall span")
     ap.add_argument("--recall-span", type=parse_recall_span, default=(64, 1024),
                     help="shortest,longest recall span (tokens)")
@@ -200,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     out = Path(args.out)
+    params, init = None, None
+    if args.init_target:
+        if Path(out).resolve() in Path(args.init_target).resolve().parents:
+            raise ConfigError(f"--init-target {args.init_target} lies inside --out {out}, which the build clears")
+        init_tok, params, init = initial_target(args.init_target)
     if out.exists():
         shutil.rmtree(out)
     (out / "target").mkdir(parents=True)
@@ -216,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{args.max_files} keeps too few files")
     card["data"] = {k: v for k, v in corpus.manifest.items() if k != "files"}
     (out / "corpus_files.json").write_text(json.dumps(corpus.manifest["files"]) + "\n")
-    tok = train_tokenizer([d.text for d in corpus.train], args.vocab)
+    tok = init_tok if args.init_target else train_tokenizer([d.text for d in corpus.train], args.vocab)
     tok.save_pretrained(out / "target")
     eos = tok.eos_token_id
     encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731
@@ -231,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tcfg = demo_target_config(len(tok), eos, max_len=max(32768, 2 * args.seq_len))
     t0 = time.perf_counter()
-    params, phases = None, []
+    phases = []
     for seq_len, batch, steps in args.curriculum:
         params, hist = train_target(
             tcfg, train_stream, params=params, steps=steps, batch=batch, seq_len=seq_len,
@@ -252,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                       "config": tcfg.to_hf_dict(), "steps": args.target_steps, "batch": args.target_batch,
                       "seq_len": args.seq_len, "recall_fraction": args.recall_fraction,
                       "recall_span": list(args.recall_span), "recall_noise": args.recall_noise, "curriculum": phases,
+                      "init_target": init,
                       "train_seconds": time.perf_counter() - t0,
                       "final": t_hist[-1], "history": t_hist}
     from checkpoints_tools.hf import save_hf
