@@ -17,6 +17,12 @@ Two kinds of passage, both followed by natural filler:
   reads as ordinary code;
 * ``random``: uniform random token ids, predictable on their second occurrence only by copying (first: about 0).
 
+Beside copying, the probe measures how repetitive each target's own greedy writing is (``--greedy-prompts``,
+default 8; 0 skips it): held-out windows of ``--greedy-context`` tokens, ``--greedy-new-tokens`` of target-only
+greedy decoding, and the share of distinct 4-grams among them (1.0: nothing repeats; a target stuck in a loop
+approaches 0), beside the same share of the held-out text that really follows each window. A target trained to
+copy can learn to repeat itself too, and greedy loops flatter every drafter's acceptance.
+
 The JSON holds, per target, its weight hashes and build settings (``model_card.json`` next to it, when there is
 one) and per (kind, gap) the mean accuracies on both occurrences and each passage's. Accuracy is not speed, so
 the figures do not depend on the machine beyond float rounding.
@@ -69,7 +75,31 @@ def copy_accuracy(pred: np.ndarray, seq: np.ndarray, span: int, gap: int) -> tup
     return hit[:, :span - 1].mean(axis=1), hit[:, second:second + span - 1].mean(axis=1)
 
 
-def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, seed: int, dtype: str) -> dict:
+def distinct_ngram_share(tokens, n: int = 4) -> float:
+    """Distinct ``n``-grams over all ``n``-grams of a token sequence: 1.0 when none repeats, toward 0 in a loop."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def greedy_repetition(model, encoded, *, context: int, new_tokens: int, count: int, seed: int) -> dict:
+    """Distinct-4-gram share of target-only greedy continuations of ``count`` held-out windows (``encoded``:
+    :class:`~diffspec_jax.corpus.EncodedDocument` list) beside that of the text that follows each window."""
+    from diffspec_jax import generate
+    from diffspec_jax.corpus import held_out_prompts
+
+    prompts = held_out_prompts(encoded, context, count, seed, new_tokens=new_tokens)
+    out = generate(model, None, [p.ids for p in prompts], max_new_tokens=new_tokens, stop_token_ids=())
+    greedy = [distinct_ngram_share(o) for o in out.tokens]
+    held = [distinct_ngram_share(p.reference) for p in prompts]
+    return {"context": context, "new_tokens": new_tokens, "n": 4, "prompts": [p.describe() for p in prompts],
+            "greedy_distinct_share": float(np.mean(greedy)), "held_out_distinct_share": float(np.mean(held)),
+            "per_prompt": {"greedy": greedy, "held_out": held}, "greedy_tokens": [list(o) for o in out.tokens]}
+
+
+def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, seed: int, dtype: str,
+                 greedy: tuple[int, int, int] = (0, 2048, 128)) -> dict:
+    """Copy rows per (kind, gap) and, when ``greedy[0]`` > 0, :func:`greedy_repetition` over ``greedy`` =
+    (prompts, context, new tokens)."""
     import jax.numpy as jnp
     from transformers import AutoTokenizer
 
@@ -79,7 +109,8 @@ def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, se
 
     model = load_target(path, dtype)
     tok = AutoTokenizer.from_pretrained(path)
-    doc = max((e.ids for e in encode_documents(tok, docs)), key=len)
+    encoded = encode_documents(tok, docs)
+    doc = max((e.ids for e in encoded), key=len)
     card = path.parent / "model_card.json"
     entry = {"path": str(path), "weights": file_hashes(path), "dtype": dtype, "held_out_document_tokens": len(doc),
              "build_settings": json.loads(card.read_text()).get("settings") if card.is_file() else None, "rows": []}
@@ -95,6 +126,11 @@ def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, se
             entry["rows"].append(row)
             print(json.dumps({"target": str(path), **{k: v for k, v in row.items() if k != "per_passage"}}),
                   flush=True)
+    if greedy[0]:
+        entry["greedy_repetition"] = greedy_repetition(model, encoded, context=greedy[1], new_tokens=greedy[2],
+                                                       count=greedy[0], seed=seed)
+        print(json.dumps({"target": str(path), **{k: v for k, v in entry["greedy_repetition"].items()
+                                                  if k.endswith("share")}}), flush=True)
     return entry
 
 
@@ -104,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gaps", default="256,2048,8192", help="tokens between the two occurrences")
     ap.add_argument("--span", type=int, default=256, help="passage length (tokens)")
     ap.add_argument("--passages", type=int, default=4, help="passages per (kind, gap)")
+    ap.add_argument("--greedy-prompts", type=int, default=8, help="held-out windows decoded greedily (0: skip)")
+    ap.add_argument("--greedy-context", type=int, default=2048, help="tokens per greedy-decoding window")
+    ap.add_argument("--greedy-new-tokens", type=int, default=128, help="greedy tokens per window")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-files", type=int, default=None, help="small held-out corpus (smoke tests)")
@@ -111,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.span < 2 or args.passages < 1:
         raise SystemExit("--span must be at least 2 and --passages at least 1")
+    if args.greedy_prompts < 0 or args.greedy_context < 1 or args.greedy_new_tokens < 4:
+        raise SystemExit("--greedy-prompts must be >= 0, --greedy-context >= 1 and --greedy-new-tokens >= 4")
     gaps = [int(g) for g in args.gaps.split(",") if g]
     from diffspec_jax.corpus import HELD_OUT, build_corpus
 
@@ -122,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                "settings": {**vars(args), "gaps": gaps, "held_out_packages": list(HELD_OUT)},
                "held_out_sha256": corpus.manifest.get("held_out_sha256"),
                "targets": [probe_target(t, corpus.held_out, span=args.span, gaps=gaps, count=args.passages,
-                                        seed=args.seed, dtype=args.dtype) for t in targets]}
+                                        seed=args.seed, dtype=args.dtype,
+                                        greedy=(args.greedy_prompts, args.greedy_context, args.greedy_new_tokens))
+                           for t in targets]}
     print("wrote", write_json(args.out, payload))
     return 0
 

@@ -189,9 +189,10 @@ WORKLOADS = ("windows", "recall")
 @dataclass
 class Prompt:
     """One evaluation prompt: ``ids`` (``context`` token ids) cut from held-out document ``doc`` at token
-    ``start``. Recall prompts also name the file being re-emitted: ``source`` is the token where the file starts in
-    the document (its copy in the prompt begins ``distance`` tokens before the prompt's end), and ``reference``
-    holds the document's tokens that follow the re-emitted part (what a perfect copy would write next)."""
+    ``start``; ``reference`` holds the document's tokens that follow the prompt (``new_tokens`` of them). Recall
+    prompts also name the file being re-emitted: ``source`` is the token where the file starts in the document (its
+    copy in the prompt begins ``distance`` tokens before the prompt's end), and their ``reference`` follows the
+    re-emitted part (what a perfect copy would write next)."""
 
     ids: list[int]
     doc: str
@@ -268,7 +269,8 @@ def held_out_prompts(docs: list[EncodedDocument], context: int, count: int, seed
         for i in range(count):
             name, ids, _ = cands[i % len(cands)]
             s = int(rng.integers(0, len(ids) - context - new_tokens + 1))
-            out.append(Prompt([int(t) for t in ids[s:s + context]], name, s))
+            out.append(Prompt([int(t) for t in ids[s:s + context]], name, s,
+                              reference=[int(t) for t in ids[s + context:s + context + new_tokens]]))
         return out
     order = rng.permutation(len(cands))
     for i in range(count):

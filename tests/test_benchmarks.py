@@ -163,6 +163,16 @@ def test_copy_probe_sequences_and_accuracy():
         copy_sequences(doc[:60], 1000, span=20, gap=50, count=1, seed=0)
 
 
+def test_distinct_ngram_share():
+    from benchmarks.copy_probe import distinct_ngram_share
+
+    rng = np.random.default_rng(4)
+    assert distinct_ngram_share(rng.permutation(50).tolist()) == 1.0
+    assert distinct_ngram_share([7, 3] * 4) == pytest.approx(2 / 5)  # a loop: two 4-grams out of five
+    assert distinct_ngram_share([5, 5, 5, 5, 5, 5]) == pytest.approx(1 / 3)
+    assert distinct_ngram_share([1, 2, 3]) == 1.0  # no 4-gram at all
+
+
 def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
     """The probe's accuracies on the demo target, recomputed from the same sequences with transformers (torch)."""
     import torch
@@ -173,7 +183,8 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
     from diffspec_jax.corpus import build_corpus, encode_documents
 
     out = tmp_path / "probe.json"
-    assert copy_probe.main(["--gaps", "40", "--span", "24", "--passages", "2", "--out", str(out)]) == 0
+    assert copy_probe.main(["--gaps", "40", "--span", "24", "--passages", "2", "--greedy-prompts", "2",
+                            "--greedy-context", "300", "--greedy-new-tokens", "12", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     entry = data["targets"][0]
     assert entry["path"].endswith("target") and entry["weights"] and "git_commit" in data["environment"]
@@ -190,3 +201,16 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
         assert np.abs(first - row["per_passage"]["first"]).max() <= 2 / 23  # float near-ties may flip a token
         assert np.abs(second - row["per_passage"]["second"]).max() <= 2 / 23
         assert row["second_occurrence_accuracy"] == pytest.approx(float(np.mean(row["per_passage"]["second"])))
+    # greedy writing: the same continuations from transformers' greedy generate, shares from the documents' text
+    rep = entry["greedy_repetition"]
+    docs = {e.name: e.ids for e in encode_documents(tok, build_corpus().held_out)}
+    assert len(rep["prompts"]) == len(rep["greedy_tokens"]) == 2
+    for p, ours, share, held in zip(rep["prompts"], rep["greedy_tokens"], rep["per_prompt"]["greedy"],
+                                    rep["per_prompt"]["held_out"]):
+        ids = docs[p["doc"]][p["start"]:p["start"] + 300]
+        with torch.no_grad():
+            theirs = hf.generate(torch.as_tensor(np.asarray(ids)[None], dtype=torch.long), max_new_tokens=12, do_sample=False,
+                                 min_new_tokens=12)[0, 300:].tolist()
+        assert ours == theirs and share == copy_probe.distinct_ngram_share(theirs)
+        assert held == copy_probe.distinct_ngram_share(docs[p["doc"]][p["start"] + 300:p["start"] + 312].tolist())
+    assert rep["greedy_distinct_share"] == pytest.approx(float(np.mean(rep["per_prompt"]["greedy"])))

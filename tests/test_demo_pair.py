@@ -93,6 +93,7 @@ def test_held_out_window_prompts(tokenizer, held_out):
     for p in prompts:
         assert len(p.ids) == 4096 and p.ids == ids[p.doc][p.start:p.start + 4096]
         assert p.start + 4096 + 100 <= len(ids[p.doc]) and p.source is None
+        assert p.reference == ids[p.doc][p.start + 4096:p.start + 4196]
     again = held_out_prompts(docs, 4096, 5, seed=3, new_tokens=100)
     assert [p.ids for p in again] == [p.ids for p in prompts]
     assert [p.start for p in held_out_prompts(docs, 4096, 5, seed=4)] != [p.start for p in prompts]
@@ -149,15 +150,25 @@ def test_model_card_lists_workloads():
     assert "| recall | 16384 | diffspec | 2.50 | 1500 | 1.50 |" in text
 
 
-def test_model_card_describes_curriculum_and_recall_spans():
+def test_model_card_describes_curriculum_recall_spans_and_continued_training():
     from diffspec_jax.demo.build import model_card_markdown
 
     card = json.loads((demo.PAIR / "model_card.json").read_text())
+    card["target"].update(recall_fraction=0.0, curriculum=[], init_target=None, steps=600, batch=4, seq_len=16384)
     md = model_card_markdown(card)
-    assert "Recall spans" not in md and "trained 600 steps x 4 sequences of 16384 tokens (AdamW" in md
+    assert "Recall spans" not in md and "continued from" not in md
+    assert "KV heads, trained 600 steps x 4 sequences of 16384 tokens (AdamW" in md
     card["target"].update(recall_fraction=1.0, recall_span=[64, 1024], recall_noise=0.0,
                           curriculum=[{"seq_len": 512, "batch": 32, "steps": 10000}])
     md = model_card_markdown(card)
     assert "trained 10000 steps x 32 sequences of 512 tokens, then 600 steps x 4 sequences of 16384 tokens" in md
     assert ("Recall spans: 100% of the training windows copy a passage of 64-1024 tokens (0% of its tokens "
             "replaced first)") in md
+    card["target"]["init_target"] = {"path": "b5/target", "sha256": {},
+                                     "trained_by": {"command": "python -m diffspec_jax.demo.build --out b5 --x",
+                                                    "steps": 15300, "init_target": None}}
+    md = model_card_markdown(card)
+    assert "KV heads, continued from `b5/target` (15300 earlier steps), trained 10000 steps" in md
+    rebuild = md[md.index("## Rebuild"):].splitlines()
+    assert rebuild[3] == "python -m diffspec_jax.demo.build --out b5 --x"
+    assert rebuild[4] == card["commands"]["build"]

@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -273,3 +274,53 @@ def test_build_curriculum_option():
     for bad in ("512:32", "512:0:10", "a:b:c", "512:32:10:1"):
         with pytest.raises(argparse.ArgumentTypeError, match="SEQ_LEN:BATCH:STEPS"):
             parse_curriculum(bad)
+
+
+def test_build_init_target_loads_an_earlier_build(tmp_path, tiny_dirs):
+    """--init-target: the committed demo target's weights (read here with safetensors, in the training layout),
+    its tokenizer and provenance; clear errors for a directory without a tokenizer, a checkpoint of another shape,
+    and a directory the build would clear."""
+    import hashlib
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from diffspec_jax import demo
+    from diffspec_jax.demo.build import initial_target, main
+    from diffspec_jax.errors import CheckpointError, ConfigError
+    from diffspec_jax.models import family
+
+    tok, params, entry = initial_target(demo.target_dir())
+    card = json.loads((demo.PAIR / "model_card.json").read_text())
+    cfg = load_target(demo.target_dir()).config
+    assert len(tok) == cfg.vocab_size and tok.eos_token_id == cfg.eos_token_ids[0]
+    layout = family(cfg).init_params(cfg, seed=0, dtype=jnp.float32)
+    assert jax.tree_util.tree_structure(params) == jax.tree_util.tree_structure(layout)
+    assert all(p.dtype == jnp.float32 for p in jax.tree_util.tree_leaves(params))
+    tensors = {}
+    for f in sorted(demo.target_dir().glob("*.safetensors")):
+        tensors.update(load_file(f))
+        assert entry["sha256"][f.name] == hashlib.sha256(f.read_bytes()).hexdigest()
+    np.testing.assert_array_equal(np.asarray(params["embed"]), tensors["model.embed_tokens.weight"].astype(np.float32))
+    wq = np.asarray(params["layers"][3]["wq"])
+    np.testing.assert_array_equal(
+        wq, tensors["model.layers.3.self_attn.q_proj.weight"].astype(np.float32).T.reshape(wq.shape))
+    assert entry["trained_by"]["steps"] == card["target"]["steps"] + sum(
+        p["steps"] for p in card["target"].get("curriculum", []))
+
+    bare = tmp_path / "bare"
+    shutil.copytree(demo.target_dir(), bare)
+    (bare / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+        initial_target(bare)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_dirs["llama"], other)
+    shutil.copy(demo.target_dir() / "tokenizer.json", other)
+    shutil.copy(demo.target_dir() / "tokenizer_config.json", other)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        initial_target(other)
+    inside = tmp_path / "out" / "target"
+    shutil.copytree(demo.target_dir(), inside)
+    with pytest.raises(ConfigError, match="inside --out"):
+        main(["--out", str(tmp_path / "out"), "--init-target", str(inside)])
+    assert (inside / "config.json").is_file()

@@ -157,9 +157,8 @@ def model_card_markdown(card: dict) -> str:
     d, t, dr, ev = card["data"], card["target"], card["draft"], card.get("eval", {})
     lines = [
         "# diffspec-jax demo pair", "",
-        "A small Llama target and its EAGLE-3 draft, trained from scratch by this project on the Python standard "
-        "library so that acceptance (the quantity DiffSpec raises) can be measured without downloading weights. "
-        "They write plausible-looking Python and nothing more: a demonstration pair, not a useful model.", "",
+        "A small Llama target and its EAGLE-3 draft, trained from scratch by this project on Python sources (below) "
+        "so that acceptance (the quantity DiffSpec raises) can be measured without downloading weights. They write plausible-looking Python and nothing more: a demonstration pair, not a useful model.", "",
         "## Data",
         f"- Python {d['python']} standard library sources ({d['train_files']} training files, "
         f"{d['held_out_files']} held out; packages held out: {', '.join(d['held_out_packages'])}).",
@@ -211,7 +210,11 @@ def model_card_markdown(card: dict) -> str:
         else:
             lines.append(f"| {w} | {r['context']} | {r['policy']} | {r['mean_acceptance_length']:.2f} | "
                          f"{r['decode_tokens_per_s']:.0f} | {r['speedup_vs_target']:.2f} |")
-    lines += ["", "## Rebuild", "```bash", card["commands"]["build"], "```", ""]
+    earlier = (t.get("init_target") or {}).get("trained_by")
+    lines += ["", "## Rebuild", "```bash",
+              *([f"# first the build whose target this one continues (--init-target {t['init_target']['path']})",
+                 earlier["command"]] if earlier else []),
+              card["commands"]["build"], "```", ""]
     return "\n".join(lines)
 
 
