@@ -209,8 +209,8 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
                                     rep["per_prompt"]["held_out"]):
         ids = docs[p["doc"]][p["start"]:p["start"] + 300]
         with torch.no_grad():
-            theirs = hf.generate(torch.as_tensor(np.asarray(ids)[None], dtype=torch.long), max_new_tokens=12, do_sample=False,
-                                 min_new_tokens=12)[0, 300:].tolist()
+            theirs = hf.generate(torch.as_tensor(np.asarray(ids)[None], dtype=torch.long), max_new_tokens=12,
+                                 min_new_tokens=12, do_sample=False)[0, 300:].tolist()
         assert ours == theirs and share == copy_probe.distinct_ngram_share(theirs)
         assert held == copy_probe.distinct_ngram_share(docs[p["doc"]][p["start"] + 300:p["start"] + 312].tolist())
     assert rep["greedy_distinct_share"] == pytest.approx(float(np.mean(rep["per_prompt"]["greedy"])))

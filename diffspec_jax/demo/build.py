@@ -158,7 +158,8 @@ def model_card_markdown(card: dict) -> str:
     lines = [
         "# diffspec-jax demo pair", "",
         "A small Llama target and its EAGLE-3 draft, trained from scratch by this project on Python sources (below) "
-        "so that acceptance (the quantity DiffSpec raises) can be measured without downloading weights. They write plausible-looking Python and nothing more: a demonstration pair, not a useful model.", "",
+        "so that acceptance (the quantity DiffSpec raises) can be measured without downloading weights. They write "
+        "plausible-looking Python and nothing more: a demonstration pair, not a useful model.", "",
         "## Data",
         f"- Python {d['python']} standard library sources ({d['train_files']} training files, "
         f"{d['held_out_files']} held out; packages held out: {', '.join(d['held_out_packages'])}).",
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curriculum", type=parse_curriculum, default=(),
                     help="target phases before the main one, SEQ_LEN:BATCH:STEPS[,...], e.g. 512:32:10000")
     ap.add_argument("--init-target", default=None,
-                    help="continue training this earlier build's target directory (its tokenizer and weights)")
+                    help="continue training this earlier build's target directory (its tokenizer and weights; "
+                         "--vocab is then ignored)")
     ap.add_argument("--recall-fraction", type=float, default=0.0, help="training windows with a recall span")
     ap.add_argument("--recall-span", type=parse_recall_span, default=(64, 1024),
                     help="shortest,longest recall span (tokens)")
@@ -253,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     params, init = None, None
     if args.init_target:
-        if Path(out).resolve() in Path(args.init_target).resolve().parents:
+        init_path = Path(args.init_target).resolve()
+        if out.resolve() == init_path or out.resolve() in init_path.parents:
             raise ConfigError(f"--init-target {args.init_target} lies inside --out {out}, which the build clears")
         init_tok, params, init = initial_target(args.init_target)
     if out.exists():
