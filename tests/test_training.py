@@ -323,4 +323,6 @@ def test_build_init_target_loads_an_earlier_build(tmp_path, tiny_dirs):
     shutil.copytree(demo.target_dir(), inside)
     with pytest.raises(ConfigError, match="inside --out"):
         main(["--out", str(tmp_path / "out"), "--init-target", str(inside)])
+    with pytest.raises(ConfigError, match="inside --out"):
+        main(["--out", str(inside), "--init-target", str(inside)])
     assert (inside / "config.json").is_file()

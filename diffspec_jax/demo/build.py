@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.init_target:
         init_path = Path(args.init_target).resolve()
         if out.resolve() == init_path or out.resolve() in init_path.parents:
-            raise ConfigError(f"--init-target {args.init_target} lies inside --out {out}, which the build clears")
+            raise ConfigError(f"--init-target {args.init_target} lies inside --out {out} (or is it), which the "
+                              "build clears")
         init_tok, params, init = initial_target(args.init_target)
     if out.exists():
         shutil.rmtree(out)
