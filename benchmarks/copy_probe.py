@@ -103,7 +103,7 @@ def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, se
     import jax.numpy as jnp
     from transformers import AutoTokenizer
 
-    from benchmarks.paired import file_hashes
+    from checkpoints_tools.inspect import file_hashes
     from diffspec_jax.corpus import encode_documents
     from diffspec_jax.target import forward, load_target
 

@@ -36,18 +36,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, write_json  # noqa: E402
+from checkpoints_tools.inspect import file_hashes  # noqa: E402
 from diffspec_jax.corpus import WORKLOADS  # noqa: E402
 
 METHODS = ("target", "eagle3-full", "eagle3-recent", "diffspec")
 #: every method: ``<x>-tree`` is method x with tree drafting + tree verification (``--tree-nodes``, ``--tree-topk``)
 ALL_METHODS = METHODS + ("eagle3-full-tree", "eagle3-recent-tree", "diffspec-tree")
 POLICY = {"eagle3-full": "full", "eagle3-recent": "recent", "diffspec": "diffspec"}
-
-
-def file_hashes(path: Path) -> dict[str, str]:
-    from checkpoints_tools.inspect import sha256_file
-
-    return {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.suffix in (".safetensors", ".json")}
 
 
 def build_prompts(ids: np.ndarray, context: int, count: int, seed: int) -> list[list[int]]:

@@ -27,6 +27,11 @@ def sha256_file(path: Path, block: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def file_hashes(path: Path, suffixes: tuple[str, ...] = (".safetensors", ".json")) -> dict[str, str]:
+    """sha256 of the files of checkpoint directory ``path`` with these suffixes, by file name (sorted)."""
+    return {p.name: sha256_file(p) for p in sorted(Path(path).iterdir()) if p.suffix in suffixes}
+
+
 def describe(path: str | Path) -> dict:
     """A JSON-able description: config summary, tensors, parameter count, weight files with sha256."""
     path = hf.check_dir(path)

@@ -92,7 +92,7 @@ def initial_target(path: str | Path):
     """
     from transformers import AutoTokenizer
 
-    from checkpoints_tools.inspect import sha256_file
+    from checkpoints_tools.inspect import file_hashes
     from diffspec_jax.target import load_target
 
     path = Path(path)
@@ -105,7 +105,7 @@ def initial_target(path: str | Path):
         if getattr(model.config, name) != getattr(want, name):
             raise ConfigError(f"--init-target {path}: {name} is {getattr(model.config, name)!r}, the demo target "
                               f"has {getattr(want, name)!r}")
-    entry = {"path": str(path), "sha256": {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors"))}}
+    entry = {"path": str(path), "sha256": file_hashes(path, (".safetensors",))}
     card = path.parent / "model_card.json"
     if card.is_file():
         prev = json.loads(card.read_text())
