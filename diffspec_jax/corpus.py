@@ -66,16 +66,63 @@ def _package_of(rel: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def _document(name: str, root: Path, paths: list[Path], skip: frozenset[str] = frozenset()) -> Document:
+@dataclass
+class LineDeduplicator:
+    """Near-duplicate file filter for the training split: a file is dropped when more than ``threshold`` of its
+    lines (stripped, at least ``min_chars`` characters) already occurred in files kept before it.
+
+    Code bases copy code: in transformers 5.x two thirds of such lines repeat (a model's modeling file is mostly
+    copied from another's, every file opens with the same licence), against a fifth in the standard library. A
+    small model trained on that learns that lines repeat, and its greedy output loops. Files are seen in corpus
+    order (standard library first), so the first copy is the one kept.
+
+    Attributes:
+        threshold: the largest share of already-seen lines a kept file may have, in (0, 1).
+        min_chars: shorter lines (``else:``, ``return x``) are ignored [16].
+        seen / dropped_files / dropped_chars: the lines of kept files, and what was dropped (for the manifest).
+    """
+
+    threshold: float
+    min_chars: int = 16
+    seen: set = field(default_factory=set, repr=False)
+    dropped_files: int = 0
+    dropped_chars: int = 0
+
+    def __post_init__(self) -> None:
+        from diffspec_jax.errors import ConfigError
+
+        if not 0.0 < self.threshold < 1.0:
+            raise ConfigError(f"the deduplication threshold is a share of lines in (0, 1), got {self.threshold}")
+        if self.min_chars < 1:
+            raise ConfigError(f"min_chars must be >= 1, got {self.min_chars}")
+
+    def keep(self, text: str) -> bool:
+        """Whether to keep a file of this text; a kept file's lines join ``seen``."""
+        lines = {s for s in (line.strip() for line in text.splitlines()) if len(s) >= self.min_chars}
+        # a file's own repeated lines count once: the test is against earlier files
+        if lines and len(lines & self.seen) > self.threshold * len(lines):
+            self.dropped_files += 1
+            self.dropped_chars += len(text)
+            return False
+        self.seen |= lines
+        return True
+
+    def summary(self) -> dict:
+        return {"threshold": self.threshold, "min_chars": self.min_chars, "dropped_files": self.dropped_files,
+                "dropped_chars": self.dropped_chars}
+
+
+def _document(name: str, root: Path, paths: list[Path], skip: frozenset[str] = frozenset(),
+              dedup: LineDeduplicator | None = None) -> Document:
     """Files of ``paths`` (relative names from ``root``) concatenated, each after a ``# file: <path>`` line; files
-    whose text's sha256 is in ``skip`` are left out."""
+    whose text's sha256 is in ``skip``, or that ``dedup`` rejects, are left out."""
     parts, names = [], []
     for p in paths:
         try:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             continue
-        if hashlib.sha256(text.encode()).hexdigest() in skip:
+        if hashlib.sha256(text.encode()).hexdigest() in skip or (dedup is not None and not dedup.keep(text)):
             continue
         parts.append(f"# file: {p.relative_to(root).as_posix()}\n{text}\n")
         names.append(p.relative_to(root).as_posix())
@@ -86,12 +133,12 @@ def _python_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not any(part in EXCLUDED for part in p.relative_to(root).parts))
 
 
-def installed_package_documents(names: tuple[str, ...], skip: frozenset[str] = frozenset()
-                                ) -> tuple[list[Document], dict[str, str]]:
+def installed_package_documents(names: tuple[str, ...], skip: frozenset[str] = frozenset(),
+                                dedup: LineDeduplicator | None = None) -> tuple[list[Document], dict[str, str]]:
     """Training documents from the Python sources of installed packages (e.g. ``transformers``): one document per
     directory (a model's modeling, configuration and tokenizer files together, repository-level context), named
     ``<dir path>``; tests, and files whose text's sha256 is in ``skip`` (vendored copies of held-out modules), are
-    left out. Returns the documents and each package's installed version.
+    left out, and so are files that ``dedup`` rejects. Returns the documents and each package's installed version.
 
     Raises:
         ConfigError when a package is not installed or is a single module rather than a package directory.
@@ -114,13 +161,16 @@ def installed_package_documents(names: tuple[str, ...], skip: frozenset[str] = f
         by_dir: dict[Path, list[Path]] = {}
         for f in _python_files(pkg):
             by_dir.setdefault(f.parent, []).append(f)
-        docs += [_document(d.relative_to(pkg.parent).as_posix(), pkg.parent, fs, skip)
+        docs += [_document(d.relative_to(pkg.parent).as_posix(), pkg.parent, fs, skip, dedup)
                  for d, fs in sorted(by_dir.items())]
+    if dedup is not None:  # directories whose every file was dropped
+        docs = [d for d in docs if d.files]
     return docs, versions
 
 
 def build_corpus(root: str | Path | None = None, held_out: tuple[str, ...] = HELD_OUT,
-                 max_files: int | None = None, extra_packages: tuple[str, ...] = ()) -> Corpus:
+                 max_files: int | None = None, extra_packages: tuple[str, ...] = (),
+                 dedup_threshold: float | None = None) -> Corpus:
     """Collect the standard library of ``root`` (default: this interpreter's) into package documents.
 
     Args:
@@ -129,6 +179,9 @@ def build_corpus(root: str | Path | None = None, held_out: tuple[str, ...] = HEL
             (:func:`installed_package_documents`; their versions go into the manifest). More text than a small
             model can memorise: trained for many epochs on the standard library alone, the demo target
             memorises its training text and learns nothing that reads far context.
+        dedup_threshold: drop training files of which more than this share of lines occurred in earlier training
+            files (:class:`LineDeduplicator`; standard library first, then the extra packages in order). The
+            held-out split is never filtered. ``None`` (default) keeps every file.
     """
     root = Path(root) if root is not None else stdlib_root()
     files = _python_files(root)
@@ -137,15 +190,20 @@ def build_corpus(root: str | Path | None = None, held_out: tuple[str, ...] = HEL
     by_package: dict[str, list[Path]] = {}
     for f in files:
         by_package.setdefault(_package_of(f.relative_to(root)), []).append(f)
+    dedup = LineDeduplicator(dedup_threshold) if dedup_threshold is not None else None
     train, held = [], []
     for name in sorted(by_package):
-        doc = _document(name, root, by_package[name])
-        (held if name in held_out else train).append(doc)
+        if name in held_out:
+            held.append(_document(name, root, by_package[name]))
+            continue
+        doc = _document(name, root, by_package[name], dedup=dedup)
+        if doc.files or dedup is None:
+            train.append(doc)
     versions = {}
     if extra_packages:
         held_texts = frozenset(hashlib.sha256(p.read_text(encoding="utf-8", errors="replace").encode()).hexdigest()
                                for name in by_package if name in held_out for p in by_package[name])
-        extra, versions = installed_package_documents(tuple(extra_packages), held_texts)
+        extra, versions = installed_package_documents(tuple(extra_packages), held_texts, dedup)
         train += extra
 
     def digest(docs):
@@ -155,7 +213,7 @@ def build_corpus(root: str | Path | None = None, held_out: tuple[str, ...] = HEL
         return h.hexdigest()
 
     manifest = {"python": platform.python_version(), "stdlib_root": str(root), "held_out_packages": list(held_out),
-                "extra_packages": versions,
+                "extra_packages": versions, "dedup": dedup.summary() if dedup is not None else None,
                 "train_files": sum(len(d.files) for d in train), "held_out_files": sum(len(d.files) for d in held),
                 "train_chars": sum(len(d.text) for d in train), "held_out_chars": sum(len(d.text) for d in held),
                 "train_sha256": digest(train), "held_out_sha256": digest(held),

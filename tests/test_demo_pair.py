@@ -150,13 +150,13 @@ def test_model_card_lists_workloads():
     assert "| recall | 16384 | diffspec | 2.50 | 1500 | 1.50 |" in text
 
 
-def test_model_card_describes_curriculum_recall_spans_and_continued_training():
+def test_model_card_describes_curriculum_recall_spans_dedup_and_continued_training():
     from diffspec_jax.demo.build import model_card_markdown
 
     card = json.loads((demo.PAIR / "model_card.json").read_text())
     card["target"].update(recall_fraction=0.0, curriculum=[], init_target=None, steps=600, batch=4, seq_len=16384)
     md = model_card_markdown(card)
-    assert "Recall spans" not in md and "continued from" not in md
+    assert "Recall spans" not in md and "continued from" not in md and "Near-duplicate" not in md
     assert "KV heads, trained 600 steps x 4 sequences of 16384 tokens (AdamW" in md
     card["target"].update(recall_fraction=1.0, recall_span=[64, 1024], recall_noise=0.0,
                           curriculum=[{"seq_len": 512, "batch": 32, "steps": 10000}])
@@ -164,6 +164,9 @@ def test_model_card_describes_curriculum_recall_spans_and_continued_training():
     assert "trained 10000 steps x 32 sequences of 512 tokens, then 600 steps x 4 sequences of 16384 tokens" in md
     assert ("Recall spans: 100% of the training windows copy a passage of 64-1024 tokens (0% of its tokens "
             "replaced first)") in md
+    card["data"]["dedup"] = {"threshold": 0.3, "min_chars": 16, "dropped_files": 2967, "dropped_chars": 41744482}
+    assert ("Near-duplicate files left out of training: 2967 files (41744482 characters) of which more than 30% of "
+            "the lines of 16+ characters occurred in earlier training files.") in model_card_markdown(card)
     card["target"]["init_target"] = {"path": "b5/target", "sha256": {},
                                      "trained_by": {"command": "python -m diffspec_jax.demo.build --out b5 --x",
                                                     "steps": 15300, "init_target": None}}

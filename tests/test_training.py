@@ -204,6 +204,61 @@ def test_installed_package_copies_of_held_out_files_are_left_out(tmp_path, monke
                      "fakepkg_diffspec/_vendor": ["fakepkg_diffspec/_vendor/other.py"]}
 
 
+def _random_lines(rng, n: int) -> list[str]:
+    return [f"value_{rng.integers(1 << 40):x} = compute_{rng.integers(1 << 40):x}(x)" for _ in range(n)]
+
+
+def test_line_deduplicator_drops_files_mostly_seen_before():
+    from diffspec_jax.corpus import LineDeduplicator
+    from diffspec_jax.errors import ConfigError
+
+    rng = np.random.default_rng(11)
+    first, fresh = _random_lines(rng, 20), _random_lines(rng, 20)
+    for threshold, kept in ((0.3, False), (0.6, True)):
+        d = LineDeduplicator(threshold)
+        assert d.keep("\n".join(first))
+        half = "\n".join(first[:10] + fresh[:10] + ["x = 1"] * 50)  # short lines do not count
+        assert d.keep(half) is kept
+        assert d.keep("\n".join(first[:1] + fresh[10:])) and not d.keep("\n".join(first))  # 1/11 seen; all seen
+        assert d.dropped_files == 1 + (not kept)
+        assert d.summary()["dropped_chars"] == len("\n".join(first)) + (0 if kept else len(half))
+    assert LineDeduplicator(0.3).keep("if x:\n    pass\n")  # nothing countable: kept
+    for bad in (0.0, 1.0, -0.1):
+        with pytest.raises(ConfigError, match="threshold"):
+            LineDeduplicator(bad)
+
+
+def test_corpus_deduplication_keeps_the_first_copy_and_never_filters_held_out(tmp_path, monkeypatch):
+    from diffspec_jax.corpus import build_corpus
+
+    rng = np.random.default_rng(12)
+    std = tmp_path / "std"
+    (std / "email").mkdir(parents=True)
+    a, b, c = (_random_lines(rng, 30) for _ in range(3))
+    (std / "email" / "utils.py").write_text("\n".join(a + c[:5]) + "\n")  # held out, shares lines with heapq
+    (std / "heapq.py").write_text("\n".join(a) + "\n")
+    pkg = tmp_path / "site" / "fakepkg_dedup"
+    (pkg / "models").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("\n".join(b) + "\n")
+    (pkg / "models" / "copy.py").write_text("\n".join(a[:20] + c[:5]) + "\n")  # 20/25 lines from heapq
+    (pkg / "models" / "own.py").write_text("\n".join(b[:5] + c[5:]) + "\n")  # 5/30 from __init__
+    (pkg / "other").mkdir()
+    (pkg / "other" / "dup.py").write_text("\n".join(b) + "\n# edited\n")  # all of __init__: dir emptied
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    plain = build_corpus(root=std, held_out=("email",), extra_packages=("fakepkg_dedup",))
+    dedup = build_corpus(root=std, held_out=("email",), extra_packages=("fakepkg_dedup",), dedup_threshold=0.3)
+    assert plain.manifest["dedup"] is None and len([f for d in plain.train for f in d.files]) == 5
+    files = {d.name: d.files for d in dedup.train}
+    assert files == {"heapq": ["heapq.py"], "fakepkg_dedup": ["fakepkg_dedup/__init__.py"],
+                     "fakepkg_dedup/models": ["fakepkg_dedup/models/own.py"]}
+    assert dedup.held_out[0].text == plain.held_out[0].text and dedup.held_out[0].files == ["email/utils.py"]
+    dropped = [pkg / "models" / "copy.py", pkg / "other" / "dup.py"]
+    assert dedup.manifest["dedup"] == {"threshold": 0.3, "min_chars": 16, "dropped_files": 2,
+                                       "dropped_chars": sum(len(p.read_text()) for p in dropped)}
+    assert dedup.manifest["train_chars"] == plain.manifest["train_chars"] - sum(
+        len(f"# file: fakepkg_dedup/{p.relative_to(pkg).as_posix()}\n{p.read_text()}\n") for p in dropped)
+
+
 def test_recall_spans_copy_a_passage_later_in_the_window():
     rng = np.random.default_rng(5)
     docs = [rng.integers(1, 50_000, 4000).astype(np.int32) for _ in range(3)]  # random ids: no accidental repeats

@@ -3,7 +3,8 @@
 Steps, all recorded in ``DIR/model_card.json``:
 
 1. corpus: the running interpreter's standard library (:mod:`diffspec_jax.corpus`), packages held out, plus the
-   sources of installed packages named by ``--extra-packages`` (training only);
+   sources of installed packages named by ``--extra-packages`` (training only); ``--dedup-lines`` leaves
+   near-duplicate training files out (:class:`~diffspec_jax.corpus.LineDeduplicator`);
 2. tokenizer: byte-level BPE, vocabulary 4096, trained on the training split;
 3. target: a 6-layer Llama (about 6 M parameters) trained from scratch with optax on windows of ``--seq-len``
    (default 16384) tokens, exported as a Hugging Face ``LlamaForCausalLM`` directory (bfloat16); optionally
@@ -166,6 +167,9 @@ def model_card_markdown(card: dict) -> str:
         *([f"- Also in training (counted in the training files above): the sources of "
            f"{', '.join(f'{k} {v}' for k, v in d['extra_packages'].items())} (one document per directory)."]
           if d.get("extra_packages") else []),
+        *([f"- Near-duplicate files left out of training: {d['dedup']['dropped_files']} files "
+           f"({d['dedup']['dropped_chars']} characters) of which more than {d['dedup']['threshold']:.0%} of the lines "
+           f"of {d['dedup']['min_chars']}+ characters occurred in earlier training files."] if d.get("dedup") else []),
         f"- Documents are packages (files concatenated): repository-level context. Training tokens: "
         f"{d.get('train_tokens')}; held-out tokens: {d.get('held_out_tokens')}.",
         *([f"- Recall spans: {t['recall_fraction']:.0%} of the training windows copy a passage of "
@@ -248,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-files", type=int, default=None, help="small corpora for smoke tests")
     ap.add_argument("--extra-packages", default="", help="comma-separated installed packages whose sources join the "
                                                          "training split (e.g. transformers,torch)")
+    ap.add_argument("--dedup-lines", type=float, default=None,
+                    help="drop training files of which more than this share of lines (16+ characters) occurred in "
+                         "earlier training files, e.g. 0.3 (default: keep all)")
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="evaluation context lengths")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="evaluation workloads")
     ap.add_argument("--seed", type=int, default=0)
@@ -270,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                   "jax": jax.__version__, "settings": vars(args)}
 
     extra = tuple(x for x in args.extra_packages.split(",") if x)
-    corpus = build_corpus(max_files=args.max_files, extra_packages=extra)
+    corpus = build_corpus(max_files=args.max_files, extra_packages=extra, dedup_threshold=args.dedup_lines)
     if not corpus.held_out:
         raise ConfigError(f"the corpus has no held-out documents (packages {', '.join(HELD_OUT)}): --max-files "
                           f"{args.max_files} keeps too few files")
