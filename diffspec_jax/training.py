@@ -66,6 +66,9 @@ class TokenStream:
             earlier in its context (quoting a document, re-emitting a file to edit it: the case target-guided
             retrieval serves). Natural code repeats little verbatim from far back.
         recall_span: (shortest, longest) copied passage in tokens, capped at a quarter of the window.
+        recall_distance: the shortest distance from the passage's start to its copy's start, as a share of the
+            window (0 to 0.75, default 0: any distance, so mostly short ones). Long-context recall (a file re-emitted
+            12-16K tokens after it was read) needs long distances, which uniform placement rarely draws.
         recall_noise: the share of the passage's tokens first replaced by tokens drawn at random from the stream
             (its unigram distribution; default 0: verbatim). A model that has memorised its training text predicts
             a verbatim repeat from memory and learns no copying from it; replaced tokens are predictable only by
@@ -73,9 +76,12 @@ class TokenStream:
     """
 
     def __init__(self, documents: list[np.ndarray], eos_id: int, recall_fraction: float = 0.0,
-                 recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.0):
+                 recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.0,
+                 recall_distance: float = 0.0):
         if not 0.0 <= recall_fraction <= 1.0:
             raise ConfigError(f"recall_fraction must be in [0, 1], got {recall_fraction}")
+        if not 0.0 <= recall_distance <= 0.75:
+            raise ConfigError(f"recall_distance must be in [0, 0.75] (a share of the window), got {recall_distance}")
         if not 0.0 <= recall_noise <= 1.0:
             raise ConfigError(f"recall_noise must be in [0, 1], got {recall_noise}")
         if not 1 <= recall_span[0] <= recall_span[1]:
@@ -88,6 +94,7 @@ class TokenStream:
         self.recall_fraction = float(recall_fraction)
         self.recall_span = (int(recall_span[0]), int(recall_span[1]))
         self.recall_noise = float(recall_noise)
+        self.recall_distance = float(recall_distance)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -101,7 +108,8 @@ class TokenStream:
         out = np.stack([self.tokens[s:s + length] for s in starts])
         if self.recall_fraction > 0:
             for row in out:
-                span = recall_span_of(rng, length, self.recall_span) if rng.random() < self.recall_fraction else None
+                span = (recall_span_of(rng, length, self.recall_span, self.recall_distance)
+                        if rng.random() < self.recall_fraction else None)
                 if span is not None:
                     src, dst, n = span
                     noisy = src + np.flatnonzero(rng.random(n) < self.recall_noise)
@@ -110,16 +118,20 @@ class TokenStream:
         return out
 
 
-def recall_span_of(rng: np.random.Generator, length: int, span: tuple[int, int]) -> tuple[int, int, int] | None:
+def recall_span_of(rng: np.random.Generator, length: int, span: tuple[int, int], min_distance: float = 0.0
+                   ) -> tuple[int, int, int] | None:
     """(source, destination, tokens) of one recall span in a window of ``length`` tokens: the passage
-    ``[source, source + tokens)`` is copied to ``[destination, destination + tokens)``, entirely after it; the
-    distance is uniform over what the window allows. None when the window is too short for the shortest span."""
+    ``[source, source + tokens)`` is copied to ``[destination, destination + tokens)``, entirely after it and at
+    least ``ceil(min_distance * length)`` tokens after its start (``min_distance`` <= 0.75); the source, then the
+    destination, are uniform over what the window allows. None when the window is too short for the shortest
+    span."""
     longest = min(span[1], length // 4)
     if longest < span[0]:
         return None
     n = int(rng.integers(span[0], longest + 1))
-    src = int(rng.integers(0, length - 2 * n + 1))
-    dst = int(rng.integers(src + n, length - n + 1))
+    gap = max(n, math.ceil(min_distance * length))
+    src = int(rng.integers(0, length - n - gap + 1))
+    dst = int(rng.integers(src + gap, length - n + 1))
     return src, dst, n
 
 

@@ -164,6 +164,9 @@ def test_model_card_describes_curriculum_recall_spans_dedup_and_continued_traini
     assert "trained 10000 steps x 32 sequences of 512 tokens, then 600 steps x 4 sequences of 16384 tokens" in md
     assert ("Recall spans: 100% of the training windows copy a passage of 64-1024 tokens (0% of its tokens "
             "replaced first)") in md
+    assert "of the window after it" not in md
+    card["target"]["recall_distance"] = 0.5
+    assert "to a later place in the same window, at least 50% of the window after it." in model_card_markdown(card)
     card["data"]["dedup"] = {"threshold": 0.3, "min_chars": 16, "dropped_files": 2967, "dropped_chars": 41744482}
     assert ("Near-duplicate files left out of training: 2967 files (41744482 characters) of which more than 30% of "
             "the lines of 16+ characters occurred in earlier training files.") in model_card_markdown(card)

@@ -275,6 +275,10 @@ def test_recall_spans_copy_a_passage_later_in_the_window():
         src = int(np.flatnonzero(row == copied[dst])[0])  # the passage's first copy, in the untouched window
         assert src + n <= dst and np.array_equal(copied[dst:dst + n], row[src:src + n])
         assert np.array_equal(copied[src:src + n], row[src:src + n])
+    far = TokenStream(docs, 0, recall_fraction=1.0, recall_span=(16, 40), recall_distance=0.7).batch(3, 6, 200, seed=1)
+    for row, copied in zip(a, far):
+        dst = int(np.flatnonzero(row != copied)[0])
+        assert dst - int(np.flatnonzero(row == copied[dst])[0]) >= 140  # 70% of the window back
     noisy = TokenStream(docs, 0, recall_fraction=1.0, recall_span=(16, 16), recall_noise=1.0).batch(3, 6, 200, seed=1)
     for row, copied in zip(a, noisy):
         changed = np.flatnonzero(row != copied)  # the source passage replaced, then copied: two blocks of 16
@@ -292,9 +296,17 @@ def test_recall_span_bounds_and_config_errors():
         src, dst, n = recall_span_of(rng, 101, (5, 40))
         assert 5 <= n <= 25 and 0 <= src and src + n <= dst and dst + n <= 101  # capped at a quarter window
     assert recall_span_of(rng, 15, (5, 40)) is None
+    dists = []
+    for _ in range(300):
+        src, dst, n = recall_span_of(rng, 1000, (5, 40), min_distance=0.6)
+        assert 5 <= n <= 40 and src >= 0 and dst - src >= 600 and dst + n <= 1000
+        dists.append(dst - src)
+    assert max(dists) > 900 and min(dists) < 640  # the allowed distances are all drawn
+    src, dst, n = recall_span_of(rng, 1000, (250, 250), min_distance=0.75)  # the tightest fit
+    assert (src, dst, n) == (0, 750, 250)
     docs = [np.arange(1, 100, dtype=np.int32)]
     for kw in (dict(recall_fraction=1.5), dict(recall_noise=-0.1), dict(recall_span=(0, 4)),
-               dict(recall_span=(9, 4))):
+               dict(recall_span=(9, 4)), dict(recall_distance=0.8), dict(recall_distance=-0.1)):
         with pytest.raises(ConfigError):
             TokenStream(docs, 0, **kw)
 

@@ -174,7 +174,9 @@ def model_card_markdown(card: dict) -> str:
         f"{d.get('train_tokens')}; held-out tokens: {d.get('held_out_tokens')}.",
         *([f"- Recall spans: {t['recall_fraction']:.0%} of the training windows copy a passage of "
            f"{t['recall_span'][0]}-{t['recall_span'][1]} tokens ({t['recall_noise']:.0%} of its tokens replaced "
-           "first) to a later place in the same window."] if t.get("recall_fraction") else []),
+           "first) to a later place in the same window"
+           + (f", at least {t['recall_distance']:.0%} of the window after it" if t.get("recall_distance") else "")
+           + "."] if t.get("recall_fraction") else []),
         f"- sha256 of the training text {d['train_sha256']}, of the held-out text {d['held_out_sha256']}; "
         "file lists in `corpus_files.json`.",
         f"- Tokenizer: byte-level BPE, vocabulary {card['tokenizer']['vocab_size']} (`target/tokenizer.json`).", "",
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recall-fraction", type=float, default=0.0, help="training windows with a recall span")
     ap.add_argument("--recall-span", type=parse_recall_span, default=(64, 1024),
                     help="shortest,longest recall span (tokens)")
+    ap.add_argument("--recall-distance", type=float, default=0.0,
+                    help="shortest distance from a recall passage to its copy, as a share of the window (0-0.75)")
     ap.add_argument("--recall-noise", type=float, default=0.0, help="share of a recall passage's tokens replaced")
     ap.add_argument("--draft-steps", type=int, default=800)
     ap.add_argument("--draft-batch", type=int, default=8)
@@ -288,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     eos = tok.eos_token_id
     encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731
     train_stream = TokenStream(encode(corpus.train), eos, recall_fraction=args.recall_fraction,
-                               recall_span=args.recall_span, recall_noise=args.recall_noise)
+                               recall_span=args.recall_span, recall_noise=args.recall_noise,
+                               recall_distance=args.recall_distance)
     held_enc = encode_documents(tok, corpus.held_out)
     held_docs = {e.name: e.ids for e in held_enc}
     held_stream = TokenStream(list(held_docs.values()), eos)
@@ -318,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
                       "config": tcfg.to_hf_dict(), "steps": args.target_steps, "batch": args.target_batch,
                       "seq_len": args.seq_len, "recall_fraction": args.recall_fraction,
-                      "recall_span": list(args.recall_span), "recall_noise": args.recall_noise, "curriculum": phases,
+                      "recall_span": list(args.recall_span), "recall_noise": args.recall_noise,
+                      "recall_distance": args.recall_distance, "curriculum": phases,
                       "init_target": init,
                       "train_seconds": time.perf_counter() - t0,
                       "final": t_hist[-1], "history": t_hist}
