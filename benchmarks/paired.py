@@ -13,9 +13,10 @@ output of every method must equal ``target``'s: a mismatch fails the run (exit s
 ``--tie-tolerance`` is given, in which case a divergence is accepted only at a numerical near-tie (the two tokens'
 float32 logits, recomputed by a full forward pass, within the tolerance; see ``lossless_check.py``) and reported.
 
-Per case: time to first token, decode tokens/s (excluding prefill), end-to-end tokens/s, mean acceptance length,
-per-position acceptance, retrievals and their share of decode time, peak device memory; medians and coefficients
-of variation over the repeats. The JSON records the git commit, versions, device, model configs and weight-file
+Per case: time to first token, decode tokens/s (excluding prefill), end-to-end tokens/s, mean acceptance length
+(overall and per prompt, with DiffSpec's per-prompt difference from each baseline: wins / losses and a bootstrap
+interval), per-position acceptance, retrievals and their share of decode time, peak device memory; medians and
+coefficients of variation over the repeats. The JSON records the git commit, versions, device, model configs and weight-file
 hashes, how the inputs were built and their hashes, and every setting; a PNG (speedup and acceptance vs context)
 is written next to it when matplotlib is installed.
 """
@@ -84,6 +85,7 @@ def run_method(method, target, draft, prompts, args):
         "ttft_s": s.prefill_s, "decode_tokens_per_s": s.decode_tokens_per_s, "end_to_end_tokens_per_s":
             s.new_tokens / total, "mean_acceptance_length": s.mean_acceptance_length,
         "acceptance_per_position": s.acceptance_per_position, "retrievals": ret.get("retrievals"),
+        "acceptance_length_per_prompt": s.acceptance_length_per_sequence,
         "mean_tree_size": s.mean_tree_size, "accepted_depth_histogram": s.accepted_depth_histogram,
         "retrieval_share_of_decode": retrieval_s / s.decode_s if s.decode_s else None,
         "peak_memory_bytes": peak_memory()}
@@ -116,10 +118,29 @@ def summarise(rows: list[dict]) -> dict:
             med = statistics.median(vals)
             cv = statistics.pstdev(vals) / statistics.mean(vals) if len(vals) > 1 and statistics.mean(vals) else 0.0
             out[key] = {"median": med, "cv": cv, "values": vals}
-    for key in ("acceptance_per_position", "mean_tree_size", "accepted_depth_histogram"):
+    for key in ("acceptance_per_position", "mean_tree_size", "accepted_depth_histogram",
+                "acceptance_length_per_prompt"):
         out[key] = rows[-1][key]
     out["retrievals"] = rows[-1]["retrievals"]
     return out
+
+
+def paired_difference(a: list[float], b: list[float], seed: int = 0, resamples: int = 10000) -> dict:
+    """Per-prompt acceptance of method A against method B on the same prompts: wins / ties / losses of A, the mean
+    difference A - B and its 95% bootstrap interval (prompts resampled with replacement, seeded). Greedy acceptance
+    is deterministic, so the spread is over prompts, not repeats."""
+    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    boot = d[np.random.default_rng(seed).integers(0, len(d), (resamples, len(d)))].mean(axis=1)
+    return {"prompts": len(d), "wins": int((d > 0).sum()), "ties": int((d == 0).sum()), "losses": int((d < 0).sum()),
+            "mean_difference": float(d.mean()), "ci95": [float(np.quantile(boot, 0.025)),
+                                                         float(np.quantile(boot, 0.975))]}
+
+
+def comparisons(case: dict, methods: list[str], seed: int) -> dict:
+    """``paired_difference`` of each DiffSpec method against every other speculative method of the case."""
+    per = {m: case["methods"][m]["acceptance_length_per_prompt"] for m in methods[1:]}
+    return {f"{a} vs {b}": paired_difference(per[a], per[b], seed) for a in per if a.startswith("diffspec")
+            for b in per if b != a and None not in per[a] + per[b]}
 
 
 def plot(payload: dict, path: Path) -> str | None:
@@ -258,13 +279,15 @@ def main(argv=None) -> int:
                         failed = True
                 base = case["methods"]["target"]["decode_tokens_per_s"]["median"]
                 case["methods"][m]["speedup_vs_target"] = case["methods"][m]["decode_tokens_per_s"]["median"] / base
+        case["comparisons"] = comparisons(case, methods, args.seed)
         payload["cases"].append(case)
         payload["passed_equality"] = not failed
         write_json(Path(args.out), payload)  # after every context, so a run cut short still leaves its data
         print(json.dumps({"context": ctx, **{m: {k: case["methods"][m].get(k) for k in ("speedup_vs_target",)}
                                               | {"acceptance": (case["methods"][m].get("mean_acceptance_length")
                                                                 or {}).get("median")}
-                                              for m in methods[1:]}, "mismatches": list(case["mismatches"])}),
+                                              for m in methods[1:]}, "mismatches": list(case["mismatches"]),
+                          "comparisons": case["comparisons"]}),
               flush=True)
     payload["passed_equality"] = not failed
     out = Path(args.out)

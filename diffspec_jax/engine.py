@@ -713,7 +713,9 @@ class _ShapeControl:
 class GenerateStats:
     """Statistics of one :func:`generate` call (``dataclasses.asdict`` / :meth:`to_dict` give a dict).
 
-    ``mean_acceptance_length`` counts tokens emitted per verification (accepted drafts + 1);
+    ``mean_acceptance_length`` counts tokens emitted per verification (accepted drafts + 1), over all sequences;
+    ``acceptance_length_per_sequence[i]`` is the same for prompt i alone (None for a prompt that had no
+    verification);
     ``acceptance_per_position[i]`` counts verifications that accepted draft position i (tree: depth i + 1);
     ``accepted_depth_histogram[d]`` counts verifications that accepted exactly d drafts; ``drafted_tokens`` counts
     drafted tokens that could be accepted (chain depth, or tree nodes); ``mean_tree_size`` is the mean number of
@@ -730,6 +732,7 @@ class GenerateStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     mean_acceptance_length: float | None = None
+    acceptance_length_per_sequence: list[float | None] = field(default_factory=list)
     acceptance_per_position: list[int] = field(default_factory=list)
     verification_mode: str | None = None
     accepted_depth_histogram: list[int] = field(default_factory=list)
@@ -905,6 +908,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
 
     t1 = time.perf_counter()
     rows = np.arange(batch)  # device row -> sequence
+    seq_cycles, seq_accepted = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
     while not done.all():
         live = ~done[rows]
         size = 1 << (int(live.sum()) - 1).bit_length()
@@ -924,8 +928,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             if not live[r]:
                 continue
             stats.sequence_cycles += 1
+            seq_cycles[seq] += 1
             if k:
                 stats.accepted_tokens += int(m[r])
+                seq_accepted[seq] += int(m[r])
                 for i in range(int(m[r])):
                     stats.acceptance_per_position[i] += 1
             host_len[seq] += int(m[r]) + 1
@@ -947,6 +953,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     stats.drafting = shape.report(real)
     if stats.sequence_cycles:
         stats.mean_acceptance_length = (stats.accepted_tokens + stats.sequence_cycles) / stats.sequence_cycles
+    stats.acceptance_length_per_sequence = [float((a + c) / c) if c else None
+                                            for a, c in zip(seq_accepted[:real], seq_cycles[:real])]
     decoded = stats.new_tokens - real  # the first token of each sequence comes from prefill
     stats.decode_tokens_per_s = decoded / stats.decode_s if stats.decode_s > 0 and decoded > 0 else None
     if ctl is not None:

@@ -46,6 +46,32 @@ def test_paired_smoke_schema_and_equality(tiny_pair, tmp_path):
             if m != "target":
                 assert stats["speedup_vs_target"] > 0 and stats["mean_acceptance_length"]["median"] >= 1
         assert case["methods"]["diffspec"]["retrievals"] >= 1  # 160-token prompts exceed the history budget
+        per = {m: case["methods"][m]["acceptance_length_per_prompt"] for m in methods[1:]}
+        assert all(len(v) == 2 and all(x >= 1 for x in v) for v in per.values())
+        assert set(case["comparisons"]) == {f"{a} vs {b}" for a in ("diffspec", "diffspec-tree")
+                                            for b in methods[1:] if b != a}
+        cmp = case["comparisons"]["diffspec vs eagle3-recent"]
+        d = np.subtract(per["diffspec"], per["eagle3-recent"])
+        assert cmp["mean_difference"] == pytest.approx(d.mean()) and cmp["wins"] + cmp["ties"] + cmp["losses"] == 2
+
+
+def test_paired_difference_counts_and_interval():
+    from benchmarks.paired import paired_difference
+
+    rng = np.random.default_rng(21)
+    b = rng.uniform(1.5, 3.0, 40)
+    a = b + rng.normal(0.2, 0.05, 40)  # A above B on (nearly) every prompt
+    a[:3] = b[:3]  # three ties
+    r = paired_difference(list(a), list(b), seed=1)
+    d = a - b
+    assert (r["wins"], r["ties"], r["losses"]) == (int((d > 0).sum()), 3, int((d < 0).sum()))
+    assert r["mean_difference"] == pytest.approx(d.mean())
+    se = d.std(ddof=1) / np.sqrt(len(d))  # the bootstrap interval is close to the normal one here
+    assert r["ci95"][0] == pytest.approx(d.mean() - 1.96 * se, abs=0.5 * se)
+    assert r["ci95"][1] == pytest.approx(d.mean() + 1.96 * se, abs=0.5 * se) and r["ci95"][0] > 0
+    flat = paired_difference(list(b + rng.normal(0, 0.3, 40)), list(b), seed=1)
+    assert flat["ci95"][1] - flat["ci95"][0] > 3 * (r["ci95"][1] - r["ci95"][0])  # 6x the spread: a wider interval
+    assert paired_difference(list(a), list(b), seed=1) == r  # seeded
 
 
 def test_paired_fails_on_a_mismatch(tiny_pair, tmp_path, monkeypatch):

@@ -74,6 +74,8 @@ def test_multi_token_accept_path(accept_upto, targets, prompts, baselines):
         cycles = [-(-(NEW - 1) // (j + 1)) for j in accept_upto]  # per sequence
         assert s.sequence_cycles == sum(cycles)
         assert s.accepted_tokens == sum(j * c for j, c in zip(accept_upto, cycles))
+    per_seq = [1 + j for j in accept_upto]  # every cycle of sequence i accepts accept_upto[i]
+    assert s.acceptance_length_per_sequence == per_seq
 
 
 def test_sampling_is_reproducible_and_respects_top_k(targets, drafts, prompts):
