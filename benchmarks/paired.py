@@ -16,9 +16,9 @@ float32 logits, recomputed by a full forward pass, within the tolerance; see ``l
 Per case: time to first token, decode tokens/s (excluding prefill), end-to-end tokens/s, mean acceptance length
 (overall and per prompt, with DiffSpec's per-prompt difference from each baseline: wins / losses and a bootstrap
 interval), per-position acceptance, retrievals and their share of decode time, peak device memory; medians and
-coefficients of variation over the repeats. The JSON records the git commit, versions, device, model configs and weight-file
-hashes, how the inputs were built and their hashes, and every setting; a PNG (speedup and acceptance vs context)
-is written next to it when matplotlib is installed.
+coefficients of variation over the repeats. The JSON records the git commit, versions, device, model configs and
+weight-file hashes, how the inputs were built and their hashes, and every setting; a PNG (speedup and acceptance
+vs context) is written next to it when matplotlib is installed.
 """
 
 from __future__ import annotations

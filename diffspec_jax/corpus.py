@@ -72,9 +72,10 @@ class LineDeduplicator:
     lines (stripped, at least ``min_chars`` characters) already occurred in files kept before it.
 
     Code bases copy code: in transformers 5.x two thirds of such lines repeat (a model's modeling file is mostly
-    copied from another's, every file opens with the same licence), against a fifth in the standard library. A
-    small model trained on that learns that lines repeat, and its greedy output loops. Files are seen in corpus
-    order (standard library first), so the first copy is the one kept.
+    copied from another's, every file opens with the same licence), against a fifth in the standard library, so
+    a corpus with it over-weights copied code. Files are seen in corpus order (standard library first), so the
+    first copy is the one kept. (Leaving the copies out did not make a continued demo target loop less in greedy
+    decoding: ``benchmarks/README.md``, build 7.)
 
     Attributes:
         threshold: the largest share of already-seen lines a kept file may have, in (0, 1).

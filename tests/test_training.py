@@ -346,7 +346,7 @@ def test_build_curriculum_option():
 def test_build_init_target_loads_an_earlier_build(tmp_path, tiny_dirs):
     """--init-target: the committed demo target's weights (read here with safetensors, in the training layout),
     its tokenizer and provenance; clear errors for a directory without a tokenizer, a checkpoint of another shape,
-    and a directory the build would clear."""
+    a directory the build would clear, and bad corpus / recall settings (before anything is cleared)."""
     import hashlib
     import shutil
 
@@ -393,3 +393,8 @@ def test_build_init_target_loads_an_earlier_build(tmp_path, tiny_dirs):
     with pytest.raises(ConfigError, match="inside --out"):
         main(["--out", str(inside), "--init-target", str(inside)])
     assert (inside / "config.json").is_file()
+    for bad, match in ((["--recall-distance", "0.9"], "recall_distance"), (["--dedup-lines", "1.5"], "threshold"),
+                       (["--recall-fraction", "2"], "recall_fraction")):
+        with pytest.raises(ConfigError, match=match):  # refused before --out is cleared
+            main(["--out", str(tmp_path / "out")] + bad)
+        assert (inside / "config.json").is_file()

@@ -38,8 +38,8 @@ import jax
 import numpy as np
 
 from diffspec_jax.config import ModelConfig, RopeConfig
-from diffspec_jax.corpus import (DEMO_PROMPT_PACKAGE, HELD_OUT, WORKLOADS, build_corpus, copied_fraction,
-                                 encode_documents, held_out_prompts, train_tokenizer)
+from diffspec_jax.corpus import (DEMO_PROMPT_PACKAGE, HELD_OUT, WORKLOADS, LineDeduplicator, build_corpus,
+                                 copied_fraction, encode_documents, held_out_prompts, train_tokenizer)
 from diffspec_jax.errors import CheckpointError, ConfigError
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
 
@@ -264,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     out = Path(args.out)
+    # settings checked before anything is cleared (each raises ConfigError naming the bad value)
+    TokenStream([], 0, recall_fraction=args.recall_fraction, recall_span=args.recall_span,
+                recall_noise=args.recall_noise, recall_distance=args.recall_distance)
+    if args.dedup_lines is not None:
+        LineDeduplicator(args.dedup_lines)
     params, init = None, None
     if args.init_target:
         init_path = Path(args.init_target).resolve()
