@@ -927,10 +927,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         for r, seq in enumerate(rows):
             if not live[r]:
                 continue
-            stats.sequence_cycles += 1
             seq_cycles[seq] += 1
             if k:
-                stats.accepted_tokens += int(m[r])
                 seq_accepted[seq] += int(m[r])
                 for i in range(int(m[r])):
                     stats.acceptance_per_position[i] += 1
@@ -947,6 +945,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     if bar is not None:
         bar.close()
     stats.new_tokens = sum(len(o) for o in out)
+    stats.sequence_cycles, stats.accepted_tokens = int(seq_cycles.sum()), int(seq_accepted.sum())
     stats.drafted_tokens = shape.drafted
     stats.accepted_depth_histogram = shape.histogram
     stats.mean_tree_size = shape.tree_nodes / stats.sequence_cycles if shape.tree and stats.sequence_cycles else None
