@@ -1,17 +1,22 @@
 """Pallas kernels vs their XLA references, side by side in one run, against the device's copy bandwidth.
 
-    python benchmarks/kernels.py [--out benchmarks/results/kernels_h200.json] [--quick]
+    python benchmarks/kernels.py [--out benchmarks/results/kernels_h200.json] [--quick] [--only NAME[,NAME]]
+                                 [--cache-options block=128,num_stages=3]
 
 For each kernel and shape: a correctness check of the Pallas kernel against the reference on the benchmark's
 inputs, then the median **device** time per call of both (calls chained inside one jitted loop over several
 input sets, so host dispatch is excluded, as inside the engine's jitted cycle), the bytes the kernel must move,
 and the achieved bytes/s as a fraction of the copy bandwidth measured in the same run. ``--quick`` runs tiny
-shapes (a smoke test, e.g. on the CPU where the kernels are interpreted; its timings mean nothing).
+shapes (a smoke test, e.g. on the CPU where the kernels are interpreted; its timings mean nothing). ``--only``
+runs some kernels (names as in ``KERNELS``); ``--cache-options`` passes static tuning knobs (``block``, ``splits``,
+``max_rows``, ``num_warps``, ``num_stages``) to every cache_attention call.
 
 Targets (issue "Pallas kernels"): gather_rope_write (batch 16, budget 2048, 8 KV heads, head_dim 128, bf16)
 >= 70% of copy bandwidth and >= 1.5x the reference; chunk_scores over a 128K cache <= 1.25x the time of reading
 that K cache once at the copy bandwidth; draft_attention no slower than the reference at every shape and faster
-at budget 2048.
+at budget 2048. cache_attention (Llama-3.1-8B shapes: 32 query heads, 8 KV heads, head_dim 128, bf16; decode T=1
+and verify T=5 over 8K to 128K cached rows at batch 1 and 8; proposed targets): never slower than the reference,
+and a verify step no more than 1.2x a decode step at the same shape (both are one read of the visible K and V).
 """
 
 from __future__ import annotations
@@ -28,14 +33,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import copy_bandwidth, environment, time_device, write_json  # noqa: E402
-from diffspec_jax.models.layers import rope_cos_sin  # noqa: E402
+from diffspec_jax.models.layers import attention_prefix, rope_cos_sin  # noqa: E402
 from diffspec_jax.retrieval import head_sum_scores  # noqa: E402
 from diffspec_jax.working_cache import draft_attention_reference, gather_rope_write_reference  # noqa: E402
+from pallas_kernels.cache_attention import cache_attention, launch_plan  # noqa: E402
 from pallas_kernels.chunk_scores import chunk_scores  # noqa: E402
 from pallas_kernels.draft_attention import draft_attention  # noqa: E402
 from pallas_kernels.gather_rope_write import gather_rope_write  # noqa: E402
 
 BF16 = jnp.bfloat16
+KERNELS = ("gather_rope_write", "chunk_scores", "draft_attention", "cache_attention")
 
 
 def _rel(a, b) -> float:
@@ -141,26 +148,96 @@ def bench_attention(b, t, w, hq, hkv, d, sets, quick):
             "bytes": nbytes, "rel_err_vs_reference": err, "pallas": t_pal, "reference": t_ref}
 
 
+def bench_cache(b, t, s, hq, hkv, d, sets, quick, options=None):
+    """Target attention over one layer's cache: ``t`` new queries per sequence over ``s - 16`` committed rows of an
+    ``s``-row heads-first cache (K and V drawn on the device: 1 GiB each at 64K x batch 8)."""
+    options = dict(options or {})
+    rng = np.random.default_rng(3)
+    key = jax.random.PRNGKey(3)
+    length = max(1, s - 16)
+    inputs = []
+    for _ in range(sets):
+        key, kk, kv = jax.random.split(key, 3)
+        q = jnp.asarray(rng.standard_normal((b, t, hq, d)), BF16)
+        k = jax.random.normal(kk, (b, hkv, s, d), BF16)
+        v = jax.random.normal(kv, (b, hkv, s, d), BF16)
+        inputs.append((q, k, v, jnp.full((b,), length, jnp.int32)))
+    scale = d ** -0.5
+
+    def both(fn):  # out and lse both consumed (one scalar per call, for the chained loop)
+        def call(*args):
+            out, lse = fn(*args)
+            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+        return call
+
+    ref = functools.partial(attention_prefix, scale=scale)
+    pal = functools.partial(cache_attention, scale=scale, **options)
+    got, want = jax.jit(pal)(*inputs[0]), jax.jit(ref)(*inputs[0])
+    err = max(_rel(got[0], want[0]), _rel(got[1], want[1]))
+    t_ref = _timed(_chained(both(ref), 0), inputs, quick)
+    t_pal = _timed(_chained(both(pal), 0), inputs, quick)
+    nbytes = 2 * b * hkv * length * d * 2  # the visible K and V rows, read once (bf16)
+    knobs = {k_: options[k_] for k_ in ("block", "splits", "max_rows") if k_ in options}
+    plan = launch_plan(b, t, hq, hkv, s, **knobs)._asdict()
+    return {"kernel": "cache_attention", "shape": dict(batch=b, steps=t, cache_len=s, length=length, q_heads=hq,
+                                                        kv_heads=hkv, head_dim=d, dtype="bfloat16"),
+            "plan": plan, "options": options, "bytes": nbytes, "rel_err_vs_reference": err, "pallas": t_pal,
+            "reference": t_ref}
+
+
+def _options(text: str) -> dict:
+    """``block=128,num_stages=3`` -> ``{"block": 128, "num_stages": 3}`` (integer knobs of cache_attention)."""
+    allowed = ("block", "splits", "max_rows", "num_warps", "num_stages")
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, _, value = item.partition("=")
+        if name not in allowed or not value.strip().isdigit():
+            raise ValueError(f"--cache-options takes NAME=INT items with NAME in {allowed}, got {item!r}")
+        out[name] = int(value)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/kernels.json")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
+    ap.add_argument("--only", default=",".join(KERNELS), help=f"comma-separated kernels to run, of {KERNELS}")
+    ap.add_argument("--cache-options", default="", help="cache_attention knobs, e.g. block=128,num_stages=3")
     args = ap.parse_args(argv)
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    if not only or only - set(KERNELS):
+        ap.error(f"--only takes names of {KERNELS}, got {args.only!r}")
+    try:
+        cache_options = _options(args.cache_options)
+    except ValueError as e:
+        ap.error(str(e))
     env = environment(sys.argv)
     bw = copy_bandwidth(16 << 20 if args.quick else 2 << 30)
     results = []
     if args.quick:
-        results.append(bench_gather(2, 256, 60, 64, 2, 32, 2, True))
-        results.append(bench_scores(1, 512, 8, 2, 32, 64, 2, True))
-        results.append(bench_attention(2, 4, 64, 8, 2, 32, 2, True))
+        if "gather_rope_write" in only:
+            results.append(bench_gather(2, 256, 60, 64, 2, 32, 2, True))
+        if "chunk_scores" in only:
+            results.append(bench_scores(1, 512, 8, 2, 32, 64, 2, True))
+        if "draft_attention" in only:
+            results.append(bench_attention(2, 4, 64, 8, 2, 32, 2, True))
+        if "cache_attention" in only:
+            results.append(bench_cache(2, 5, 200, 8, 2, 32, 2, True, cache_options))
     else:
-        results.append(bench_gather(16, 32768, 2043, 2048, 8, 128, 3, False))
-        for b in (1, 8):
-            results.append(bench_scores(b, 131072, 32, 8, 128, 64, 3 if b == 1 else 2, False))
-        for b in (1, 8):
-            for t in (1, 6):
-                for w in (512, 1024, 2048):
-                    results.append(bench_attention(b, t, w, 32, 8, 128, 3, False))
+        if "gather_rope_write" in only:
+            results.append(bench_gather(16, 32768, 2043, 2048, 8, 128, 3, False))
+        if "chunk_scores" in only:
+            for b in (1, 8):
+                results.append(bench_scores(b, 131072, 32, 8, 128, 64, 3 if b == 1 else 2, False))
+        if "draft_attention" in only:
+            for b in (1, 8):
+                for t in (1, 6):
+                    for w in (512, 1024, 2048):
+                        results.append(bench_attention(b, t, w, 32, 8, 128, 3, False))
+        if "cache_attention" in only:
+            for s, b in ((8192, 1), (65536, 1), (131072, 1), (8192, 8), (32768, 8), (65536, 8)):
+                for t in (1, 5):  # 2 input sets at batch 8: 4 GiB of K and V (+ the timing loop's copy)
+                    results.append(bench_cache(b, t, s, 32, 8, 128, 3 if b == 1 else 2, False, cache_options))
     for r in results:
         r["speedup_vs_reference"] = r["reference"]["median_s"] / r["pallas"]["median_s"]
         r["pallas_bytes_per_s"] = r["bytes"] / r["pallas"]["median_s"]
@@ -179,6 +256,14 @@ def main(argv=None) -> int:
         targets["draft_attention never slower than reference"] = all(r["speedup_vs_reference"] >= 1.0 for r in da)
         targets["draft_attention faster at budget 2048"] = all(
             r["speedup_vs_reference"] > 1.0 for r in da if r["shape"]["budget"] == 2048)
+    ca = [r for r in results if r["kernel"] == "cache_attention"]
+    if ca:
+        targets["cache_attention never slower than reference"] = all(r["speedup_vs_reference"] >= 1.0 for r in ca)
+        by_shape = {(r["shape"]["batch"], r["shape"]["cache_len"], r["shape"]["steps"]): r["pallas"]["median_s"]
+                    for r in ca}
+        pairs = [(v, by_shape[(b, s_, 1)]) for (b, s_, t), v in by_shape.items() if t > 1 and (b, s_, 1) in by_shape]
+        if pairs:
+            targets["cache_attention verify <= 1.2x decode"] = all(tv <= 1.2 * t1 for tv, t1 in pairs)
     payload = {"benchmark": "pallas kernels vs XLA references", "environment": env, "copy_bandwidth": bw,
                "results": results, "targets_met": targets, "quick": args.quick}
     path = write_json(args.out, payload)

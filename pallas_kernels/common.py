@@ -12,12 +12,18 @@ reference with the same signature, so porting one to Mosaic GPU later changes no
 **Indexing.** Every load and store indexes all four dimensions with broadcastable integer arrays (no slices):
 that single form is what both the Triton lowering (pointer arithmetic) and the CPU interpreter accept for gathers,
 strided columns and masks, so the interpreted kernel *is* the compiled kernel.
+
+**Split-K attention.** The two attention kernels (:mod:`pallas_kernels.draft_attention`,
+:mod:`pallas_kernels.cache_attention`) share their inner tile step (:func:`online_softmax_step`), their split merge
+epilogue (:func:`merge_splits`) and their query-row packing (row ``t * G + j`` = step t, head j of a KV head's
+group; :func:`rows_to_heads` undoes it).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
+from diffspec_jax.models.layers import NEG_INF as NEG  # finite "minus infinity" of the softmax statistics
 from pallas_kernels.dispatch import interpret_mode
 
 
@@ -62,3 +68,60 @@ def matmul(a, b, *, trans_b: bool = False, precision=None):
 
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def online_softmax_step(carry, q, k, v, visible, *, scale, precision):
+    """One key tile of an online softmax, inside a kernel (float32 statistics).
+
+    Args:
+        carry: ``(acc [R, D], m [R], l [R])`` float32: unnormalised output, running max and running sum of
+            ``exp(logit - m)`` of each query row (initially 0, :data:`NEG`, 0).
+        q: ``[R, D]`` query rows (cast to ``k.dtype`` for the product); k, v: ``[N, D]`` the tile's keys / values.
+        visible: bool, broadcastable to ``[R, N]``: which (row, key) pairs count. Invisible keys get no weight,
+            so their values must be finite (load them masked, as zeros).
+        scale: softmax scale; precision: :func:`dot_precision` of the operands.
+    Returns:
+        The updated carry; probabilities are cast to ``v.dtype`` for the ``p @ v`` product.
+    """
+    acc, m, l = carry
+    logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * scale
+    logits = jnp.where(visible, logits, NEG)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + jnp.sum(p, axis=1)
+    acc = acc * corr[:, None] + matmul(p.astype(v.dtype), v, precision=precision)
+    return acc, m_new, l
+
+
+def merge_splits(o, m, l, live=None):
+    """XLA epilogue of a split-K kernel: merge the per-split partial results of every query row.
+
+    Args:
+        o: float32 ``[B, H, splits, R, D]`` unnormalised partial outputs; m, l: float32 ``[B, H, splits, R]``
+            their running max and sum (as :func:`online_softmax_step` leaves them).
+        live: optional bool ``[B, splits]``: splits that saw at least one key. The others are ignored, so their
+            ``o`` may be left unwritten (any bits, NaN included); without it every split takes part.
+    Returns:
+        ``(out [B, H, R, D], lse [B, H, R])`` float32: softmax output and natural log-sum-exp of the logits over
+        every split. A row no key reached (a sum of 0) gets NaN / -inf: the caller decides what it means.
+    """
+    if live is not None:
+        live = live[:, None, :, None]
+        m = jnp.where(live, m, NEG)
+    m_all = jnp.max(m, axis=2, keepdims=True)
+    w_split = jnp.exp(m - m_all)                                    # [B, H, splits, R]
+    if live is not None:
+        w_split = jnp.where(live, w_split, 0.0)
+        o = jnp.where(live[..., None], o, 0.0)
+    den = jnp.sum(l * w_split, axis=2)
+    out = jnp.sum(o * w_split[..., None], axis=2) / den[..., None]
+    return out, m_all[:, :, 0] + jnp.log(den)
+
+
+def rows_to_heads(x, steps: int, group: int):
+    """``[B, Hkv, R, ...]`` packed query rows (row ``t * group + j``, ``R >= steps * group``) to
+    ``[B, steps, Hkv * group, ...]`` (query head ``h * group + j`` of KV head h)."""
+    b, hkv = x.shape[:2]
+    x = x[:, :, : steps * group].reshape(b, hkv, steps, group, *x.shape[3:])
+    return jnp.moveaxis(x, 2, 1).reshape(b, steps, hkv * group, *x.shape[4:])

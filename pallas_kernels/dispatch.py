@@ -4,8 +4,9 @@ Default: Pallas on GPU, the pure-JAX reference elsewhere (CPU, TPU). ``DIFFSPEC_
 the environment overrides the choice; ``pallas`` on a CPU runs the kernels in interpret mode (slow: for tests).
 The decision is made at trace time, so it is fixed for the life of a compiled function.
 
-Every function here has the signature of its reference (in :mod:`diffspec_jax.working_cache` and
-:mod:`diffspec_jax.retrieval`) and of its kernel (in :mod:`pallas_kernels`), so callers never branch.
+Every function here has the signature of its reference (in :mod:`diffspec_jax.working_cache`,
+:mod:`diffspec_jax.retrieval` and :mod:`diffspec_jax.models.layers`) and of its kernel (in :mod:`pallas_kernels`),
+so callers never branch.
 """
 
 from __future__ import annotations
@@ -65,3 +66,14 @@ def draft_attention(q, k, v, q_local, *, scale):
     from diffspec_jax.working_cache import draft_attention_reference
 
     return draft_attention_reference(q, k, v, q_local, scale=scale)
+
+
+def cache_attention(q, k, v, lengths, *, scale):
+    """See :func:`pallas_kernels.cache_attention.cache_attention` (``(out, lse)`` over the committed prefix)."""
+    if kernel_backend() == "pallas":
+        from pallas_kernels.cache_attention import cache_attention as kernel
+
+        return kernel(q, k, v, lengths, scale=scale)
+    from diffspec_jax.models.layers import attention_prefix
+
+    return attention_prefix(q, k, v, lengths, scale)

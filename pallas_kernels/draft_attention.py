@@ -12,8 +12,9 @@ Output:
 
 Grid ``(B, Hkv, splits)``: each program takes the ``T x G`` query rows of one KV head (padded to 16 for the dot)
 and one contiguous range of slots, walks it in ``block`` tiles with an online softmax, and writes unnormalised
-partial outputs with their (max, sum) statistics; a small XLA epilogue merges the splits. Tiles wholly past the
-last visible slot are not read. Bytes moved: one read of the visible K and V slots.
+partial outputs with their (max, sum) statistics; a small XLA epilogue merges the splits
+(:func:`pallas_kernels.common.merge_splits`, shared with :mod:`pallas_kernels.cache_attention`). Tiles wholly
+past the last visible slot are not read. Bytes moved: one read of the visible K and V slots.
 Reference: :func:`diffspec_jax.working_cache.draft_attention_reference` (same signature).
 """
 
@@ -25,9 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import call_options, dot_precision, matmul, next_pow2
-
-_NEG = -1e30
+from pallas_kernels.common import (NEG, call_options, dot_precision, merge_splits, next_pow2, online_softmax_step,
+                                   rows_to_heads)
 
 
 def _kernel(q_ref, k_ref, v_ref, pos_ref, o_ref, m_ref, l_ref, *, rows, group, steps, block, tiles_per_split,
@@ -47,22 +47,14 @@ def _kernel(q_ref, k_ref, v_ref, pos_ref, o_ref, m_ref, l_ref, *, rows, group, s
     n_tiles = jnp.clip((last_visible - first + block) // block, 0, tiles_per_split)
 
     def body(i, carry):
-        acc, m, l = carry
         slots = first + i * block + jnp.arange(block)
         inside = slots < num_slots
         k = plgpu.load(k_ref.at[b, slots[:, None], g, d], mask=inside[:, None], other=jnp.zeros((), k_ref.dtype))
         v = plgpu.load(v_ref.at[b, slots[:, None], g, d], mask=inside[:, None], other=jnp.zeros((), v_ref.dtype))
-        logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * scale
         visible = (slots[None, :] <= qpos[:, None]) & inside[None, :]
-        logits = jnp.where(visible, logits, _NEG)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
-        corr = jnp.exp(m - m_new)
-        l = l * corr + jnp.sum(p, axis=1)
-        acc = acc * corr[:, None] + matmul(p.astype(v.dtype), v, precision=precision)
-        return acc, m_new, l
+        return online_softmax_step(carry, q, k, v, visible, scale=scale, precision=precision)
 
-    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+    init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, n_tiles, body, init)
     plgpu.store(o_ref.at[b, g, s, r[:, None], d], acc)
@@ -93,8 +85,5 @@ def draft_attention(q, k, v, q_local, *, scale, block=64, split_slots=256):
         name="draft_attention",
         **call_options(num_warps=4, num_stages=2),
     )(q, k, v, q_local.astype(jnp.int32))
-    m_all = jnp.max(m, axis=2, keepdims=True)
-    w_split = jnp.exp(m - m_all)                                    # [B, Hkv, splits, rows]
-    out = jnp.sum(o * w_split[..., None], axis=2) / jnp.sum(l * w_split, axis=2)[..., None]
-    out = out[:, :, : t * group].reshape(b, hkv, t, group, d)       # row = t * group + head-in-group
-    return jnp.transpose(out, (0, 2, 1, 3, 4)).reshape(b, t, hq, d).astype(q.dtype)
+    out, _ = merge_splits(o, m, l)                                  # [B, Hkv, rows, D]
+    return rows_to_heads(out, t, group).astype(q.dtype)             # row = t * group + head-in-group

@@ -100,8 +100,13 @@ def test_kernel_benchmark_quick(tmp_path):
     out = tmp_path / "k.json"
     assert kernels.main(["--quick", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert {r["kernel"] for r in data["results"]} == {"gather_rope_write", "chunk_scores", "draft_attention"}
+    assert {r["kernel"] for r in data["results"]} == {"gather_rope_write", "chunk_scores", "draft_attention",
+                                                      "cache_attention"}
     assert all(r["rel_err_vs_reference"] < 1e-2 for r in data["results"]) and data["copy_bandwidth"]["bytes_per_s"] > 0
+    assert kernels.main(["--quick", "--only", "cache_attention", "--cache-options", "block=16,splits=2", "--out",
+                         str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["kernel"] == "cache_attention" and r["plan"]["splits"] == 2 and r["rel_err_vs_reference"] < 1e-2
 
 
 def test_long_context_anatomy_quick(tmp_path):

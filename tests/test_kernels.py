@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from conftest import random_prompts
-from diffspec_jax.models.layers import rope_cos_sin
+from diffspec_jax.models.layers import NEG_INF, attention_prefix, rope_cos_sin
 from diffspec_jax.retrieval import head_sum_scores
 from diffspec_jax.working_cache import draft_attention_reference, gather_rope_write_reference
 from pallas_kernels import dispatch
+from pallas_kernels.cache_attention import cache_attention, default_splits, launch_plan
 from pallas_kernels.chunk_scores import chunk_scores
 from pallas_kernels.draft_attention import draft_attention
 from pallas_kernels.gather_rope_write import gather_rope_write
@@ -88,6 +89,64 @@ def test_draft_attention(dtype, t, w):
     ref = draft_attention_reference(q, k, v, q_local, scale=d ** -0.5)
     assert ours.dtype == dtype and ours.shape == ref.shape
     close(ours, ref, dtype)
+
+
+def _cache_inputs(rng, b, t, hq, hkv, s, d, dtype):
+    """Queries, a heads-first cache (clean, and poisoned with NaN at and past each length) and ragged lengths:
+    0 (sees nothing), S (the whole cache), one across a tile edge, one inside the first tile."""
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
+    lengths = jnp.asarray([0, s, s // 2 + 3, 5], jnp.int32)[:b]
+    beyond = (jnp.arange(s)[None, None, :, None] >= lengths[:, None, None, None])
+    return q, k, v, jnp.where(beyond, jnp.nan, k), jnp.where(beyond, jnp.nan, v), lengths
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t, group, s, d, opts", [
+    (1, 4, 100, 32, {}),                                          # one split (the default plan at this size)
+    (5, 1, 300, 32, dict(block=32, splits=4)),                    # 4 splits of 3 tiles, S not a multiple of 32
+    (13, 4, 77, 24, dict(block=16, splits=3, max_rows=16)),       # 4 row blocks of 16 rows, head_dim 24 (padded)
+])
+def test_cache_attention(dtype, t, group, s, d, opts):
+    rng = np.random.default_rng(hash((str(dtype), t, group, s)) % 2**32)
+    b, hkv = 4, 2
+    q, k, v, k_poison, v_poison, lengths = _cache_inputs(rng, b, t, hkv * group, hkv, s, d, dtype)
+    plan = launch_plan(b, t, hkv * group, hkv, s, **opts)
+    assert plan.splits == opts.get("splits", 1) and plan.block * plan.tiles_per_split * plan.splits >= s
+    out, lse = cache_attention(q, k_poison, v_poison, lengths, scale=d ** -0.5, **opts)
+    ref_out, ref_lse = attention_prefix(q, k, v, lengths, d ** -0.5)  # the reference on the clean cache
+    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == jnp.float32 and lse.shape == (b, t, hkv * group)
+    assert np.isfinite(np.asarray(out, np.float32)).all()  # no poisoned row leaked
+    assert not np.asarray(out[0], np.float32).any() and (np.asarray(lse[0]) == NEG_INF).all()  # length 0
+    close(out, ref_out, dtype)
+    close(lse, ref_lse, dtype)
+
+
+def test_cache_attention_split_plan():
+    """The default split counts: a few programs per SM (132) at batch 1 and 8 (8 KV heads, block 64)."""
+    assert default_splits(1, 8, 65536, 64, sms=132) == 66 and default_splits(8, 8, 65536, 64, sms=132) == 9
+    assert default_splits(1, 8, 8192, 64, sms=132) == 32  # ranges of at least 256 rows
+    assert default_splits(1, 8, 100, 64, sms=132) == 1
+    p = launch_plan(1, 5, 32, 8, 65536, block=64)
+    assert (p.rows, p.row_blocks, p.block) == (32, 1, 64) and p.tiles_per_split * p.splits >= 1024
+    p = launch_plan(2, 51, 32, 8, 4096, splits=1000)  # tree block: 204 rows in 2 blocks; splits capped at tiles
+    assert (p.rows, p.row_blocks, p.tiles_per_split, p.splits) == (128, 2, 1, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        launch_plan(1, 1, 8, 2, 100, block=48)
+
+
+def test_dispatch_cache_attention(monkeypatch):
+    rng = np.random.default_rng(7)
+    q, k, v, _, _, lengths = _cache_inputs(rng, 3, 2, 4, 2, 40, 16, jnp.float32)
+    monkeypatch.setenv("DIFFSPEC_KERNELS", "reference")
+    ref = dispatch.cache_attention(q, k, v, lengths, scale=0.25)
+    for a, b in zip(ref, attention_prefix(q, k, v, lengths, 0.25)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    monkeypatch.setenv("DIFFSPEC_KERNELS", "pallas")
+    ours = dispatch.cache_attention(q, k, v, lengths, scale=0.25)
+    for a, b in zip(ours, ref):
+        close(a, b, jnp.float32)
 
 
 def test_dispatch_choice_and_override(monkeypatch):

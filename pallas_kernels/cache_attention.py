@@ -1,0 +1,170 @@
+"""Pallas kernel: the target's decode / verify attention over its KV cache (split-K flash decoding).
+
+Inputs:
+    q: ``[B, T, Hq, D]`` rotated queries of the new block (T >= 1: 1 for a decode step, K + 1 for a verify step,
+        more for a tree verify block).
+    k, v: ``[B, Hkv, S, D]`` one layer of the target cache (heads first, indexed by absolute position;
+        ``Hq % Hkv == 0``, GQA with G = Hq / Hkv).
+    lengths: int32 ``[B]`` in ``0..S``: every query of sequence b sees cache rows ``0 .. lengths[b] - 1`` (the
+        committed prefix; no causal structure: the caller attends the new block itself and merges the two parts
+        by log-sum-exp, :func:`diffspec_jax.models.layers.merge_attention`).
+    scale: softmax scale (1 / sqrt(D)).
+Output:
+    ``(out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32)``: lse is the natural log-sum-exp of the scaled
+    logits over the visible rows. A sequence with ``lengths[b] == 0`` gets ``out = 0`` and ``lse = NEG_INF``.
+    Softmax statistics in float32, probabilities cast to ``v.dtype`` for the ``p @ v`` product (as the reference
+    does).
+
+Grid ``(B, Hkv * row_blocks, splits)``: each program takes up to ``max_rows`` of the ``T x G`` query rows of one
+KV head (row ``t * G + j``, padded to a power of two >= 16 for the dot; ``row_blocks = 1`` unless T x G exceeds
+``max_rows``, e.g. a large tree block) and one contiguous range of ``tiles_per_split`` tiles of ``block`` cache rows,
+walks the range with an online softmax (:func:`pallas_kernels.common.online_softmax_step`), so all the query rows of
+a KV head share one read of each K and V tile, and writes unnormalised partial outputs with their (max, sum)
+statistics. Tiles wholly at or past ``lengths[b]`` are not read (a data-dependent trip count), and a split with no
+visible row writes no partial output. A small XLA epilogue (:func:`pallas_kernels.common.merge_splits`) merges the
+splits and forms lse. Bytes moved: one read of the visible K and V rows (times ``row_blocks``), plus
+``B x Hkv x splits x T x G x (D + 2)`` float32 partials written and read back.
+
+The number of splits (:func:`default_splits`) aims at a few programs per SM at any batch; ``splits``, ``block``,
+``max_rows``, ``num_warps`` and ``num_stages`` are static keyword arguments, to tune on the GPU.
+Reference: :func:`diffspec_jax.models.layers.attention_prefix` (same signature and contract).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.common import (NEG, call_options, dot_precision, merge_splits, next_pow2, online_softmax_step,
+                                   rows_to_heads)
+
+#: streaming multiprocessors assumed where the device does not say (the H200's)
+DEFAULT_SMS = 132
+
+
+def _sm_count() -> int:
+    return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_SMS)
+
+
+def default_splits(batch: int, programs_per_split: int, seq_len: int, block: int, *, sms: int | None = None,
+                   waves: int = 4, min_split_rows: int = 256) -> int:
+    """How many ranges to split a cache of ``seq_len`` rows into: enough for about ``waves`` programs per SM over
+    the whole grid (``batch x programs_per_split x splits`` programs; ``programs_per_split = Hkv x row_blocks``),
+    but no range shorter than ``min_split_rows`` rows (nor than one ``block`` tile), so the partial outputs stay
+    small next to the cache rows read. E.g. 132 SMs, 8 KV heads, block 64: 64K rows at batch 1 -> 66 (64 after
+    rounding to whole tiles per split), at batch 8 -> 9; 8K rows at batch 1 -> 32."""
+    sms = sms or _sm_count()
+    n_tiles = -(-seq_len // block)
+    wanted = -(-(waves * sms) // (batch * programs_per_split))
+    return max(1, min(wanted, seq_len // min_split_rows, n_tiles))
+
+
+def _check_pow2(name: str, n: int, lo: int = 16) -> None:
+    if n < lo or n & (n - 1):
+        raise ValueError(f"cache_attention: {name} must be a power of two >= {lo}, got {n}")
+
+
+class Plan(NamedTuple):
+    rows: int             # query rows per program (a power of two >= 16)
+    row_blocks: int       # programs per KV head and split covering the T x G rows
+    block: int            # cache rows per tile
+    tiles_per_split: int
+    splits: int           # ranges of tiles per (sequence, KV head): the grid's last axis
+
+
+def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: int, *, block: int = 64,
+                splits: int | None = None, max_rows: int = 128) -> Plan:
+    """The static launch parameters :func:`cache_attention` uses for these shapes and knobs (``splits`` is
+    rounded to whole tiles per split: e.g. 66 wanted over 1024 tiles -> 16 tiles per split -> 64 splits)."""
+    _check_pow2("block", block)
+    _check_pow2("max_rows", max_rows)
+    rows = min(next_pow2(steps * (q_heads // kv_heads), 16), max_rows)
+    row_blocks = -(-(steps * (q_heads // kv_heads)) // rows)
+    block = min(block, next_pow2(seq_len, 16))
+    n_tiles = -(-seq_len // block)
+    if splits is None:
+        splits = default_splits(batch, kv_heads * row_blocks, seq_len, block)
+    tiles_per_split = -(-n_tiles // max(1, min(splits, n_tiles)))
+    return Plan(rows, row_blocks, block, tiles_per_split, -(-n_tiles // tiles_per_split))
+
+
+def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_blocks, group, steps, block,
+            tiles_per_split, seq_len, head_dim, cols, scale, precision):
+    from jax.experimental.pallas import triton as plgpu
+
+    b, gr, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, rb = gr // row_blocks, gr % row_blocks
+    r = rb * rows + jnp.arange(rows)                      # this program's packed query rows
+    real = r < steps * group
+    t_of = jnp.where(real, r // group, 0)
+    head = g * group + r % group
+    d = jnp.arange(cols)[None, :]                         # head_dim padded to a power of two
+
+    def cols_in(mask):                                    # and the padded columns masked off (if any: static)
+        return mask if cols == head_dim else mask & (d < head_dim)
+
+    q = plgpu.load(q_ref.at[b, t_of[:, None], head[:, None], d], mask=cols_in(real[:, None]),
+                   other=jnp.zeros((), q_ref.dtype))
+    length = jnp.clip(plgpu.load(len_ref.at[b]), 0, seq_len)
+    first = s * tiles_per_split * block
+    n_tiles = jnp.clip((length - first + block - 1) // block, 0, tiles_per_split)
+
+    def body(i, carry):
+        pos = first + i * block + jnp.arange(block)
+        visible = pos < length                            # rows at or past the length are never read
+        mask = cols_in(visible[:, None])
+        k = plgpu.load(k_ref.at[b, g, pos[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
+        v = plgpu.load(v_ref.at[b, g, pos[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
+        return online_softmax_step(carry, q, k, v, visible[None, :], scale=scale, precision=precision)
+
+    init = (jnp.zeros((rows, cols), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(0, n_tiles, body, init)
+    plgpu.store(o_ref.at[b, g, s, r[:, None], d], acc, mask=cols_in((real & (n_tiles > 0))[:, None]))
+    plgpu.store(m_ref.at[b, g, s, r], m, mask=real)
+    plgpu.store(l_ref.at[b, g, s, r], l, mask=real)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block", "splits", "max_rows", "num_warps", "num_stages"))
+def cache_attention(q, k, v, lengths, *, scale, block=64, splits=None, max_rows=128, num_warps=None,
+                    num_stages=2):
+    """Attention of new queries over the committed prefix of a heads-first KV cache (see the module docstring
+    for shapes, dtypes and semantics).
+
+    Tuning knobs (static): ``block`` cache rows per tile (a power of two >= 16; capped at the cache length rounded
+    up to a power of two), ``splits`` ranges per (sequence, KV head) (default :func:`default_splits`; capped at
+    the number of tiles), ``max_rows`` query rows per program (a power of two >= 16; more rows take
+    several row blocks, each reading the KV once), ``num_warps`` (default 4 up to 64 rows per program, else 8)
+    and ``num_stages`` (Triton software pipelining of the tile loop).
+    """
+    b, t, hq, d = q.shape
+    hkv, s_len = k.shape[1], k.shape[2]
+    if hq % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"cache_attention: q {q.shape} does not fit k {k.shape} / v {v.shape}")
+    group = hq // hkv
+    rows, row_blocks, block, tiles_per_split, splits = launch_plan(b, t, hq, hkv, s_len, block=block, splits=splits,
+                                                                   max_rows=max_rows)
+    kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
+                               tiles_per_split=tiles_per_split, seq_len=s_len, head_dim=d, cols=next_pow2(d, 16),
+                               scale=scale, precision=dot_precision(k.dtype))
+    lengths = lengths.astype(jnp.int32)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(b, hkv * row_blocks, splits),
+        out_shape=(jax.ShapeDtypeStruct((b, hkv, splits, t * group, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, t * group), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, t * group), jnp.float32)),
+        name="cache_attention",
+        **call_options(num_warps=num_warps or (4 if rows <= 64 else 8), num_stages=num_stages),
+    )(q, k, v, lengths)
+    # split j saw rows iff it starts before the length (the kernel's n_tiles > 0); the others wrote no output
+    live = (jnp.arange(splits) * (tiles_per_split * block))[None, :] < jnp.clip(lengths, 0, s_len)[:, None]
+    out, lse = merge_splits(o, m, l, live)                 # [B, Hkv, T * G, D], [B, Hkv, T * G]
+    empty = (lengths <= 0)[:, None, None]
+    out = jnp.where(empty[..., None], 0.0, rows_to_heads(out, t, group))
+    lse = jnp.where(empty, NEG, rows_to_heads(lse, t, group))
+    return out.astype(q.dtype), lse
