@@ -95,3 +95,12 @@ def write_json(path: str | Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def matmul_peak(n: int = 8192, repeats: int = 7) -> dict[str, float]:
+    """bf16 matrix-product rate on random data: ``[n, n] @ [n, n]`` chained inside one jitted loop (the ceiling
+    that prefill throughput is compared with). Returns ``{"flop_per_s", "n", "median_s", ...}``."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(1), (n, n), jnp.float32).astype(jnp.bfloat16) * (n ** -0.5)
+    t = time_device(lambda x: (x @ b).astype(jnp.bfloat16), a, iters=10, repeats=repeats)
+    return {"flop_per_s": 2 * n ** 3 / t["median_s"], "n": n, **t}

@@ -50,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, copy_bandwidth, environment, write_json
+from benchmarks.common import REPO, copy_bandwidth, environment, matmul_peak, write_json
 
 #: acceptance lengths (tokens per verification, bonus included) for projected speedups; random weights accept
 #: nothing, so the measured cycle times are combined with these
@@ -60,6 +60,8 @@ DEMO_PAIRED = REPO / "benchmarks" / "results" / "paired_demo_h200.json"
 #: issue 8's targets
 TARGET_FLOOR_RATIO, TARGET_VS_COMPILED, TARGET_VS_EAGER = 1.3, 3.0, 8.0
 TARGET_DRAFT_FLAT, TARGET_RETRIEVAL_SHARE = 1.1, 0.05
+#: issue 22's targets
+TARGET_PREFILL_64K_S, TARGET_PREFILL_PEAK_FRACTION, TARGET_VERIFY_OVER_DECODE = 3.3, 0.65, 1.15
 PEER_PREFIX = "PEER_JSON "
 RANDOM_NOTE = ("random weights: every timing is valid, acceptance is meaningless; speedups are projected from the "
                "measured cycle times at given acceptance lengths")
@@ -283,6 +285,10 @@ def anatomy(target, dcfg, dparams, ctx, batch, args):
     stats["target_decode_step_again"] = pipelined(calls[1], repeats=t.repeats, inner=t.inner)
     st = st.replace(target_cache=holder["cache"])
     del holder, calls, call
+    if args.steps_only:
+        del st
+        gc.collect()
+        return _derived(out, stats, tc, ctx, batch, args)
     stats["draft_propose_full"], st = _time_propose(plans["full"], dparams, st, active, key, t)
     cyc, st = _time_cycle(engine.compiled(plans["full"]), target.params, dparams, st, active, ctx, t)
     stats["cycle_full"], stats["cycle_full_blocking"] = cyc["pipelined"], cyc["blocking"]
@@ -340,10 +346,19 @@ def anatomy(target, dcfg, dparams, ctx, batch, args):
     del st, dcache
     gc.collect()
 
-    # ---- derived numbers (seconds)
+    return _derived(out, stats, tc, ctx, batch, args)
+
+
+def _derived(out, stats, tc, ctx, batch, args):
+    """Seconds per component, retrieval shares and projections (what was measured), and the bytes of a decode
+    step."""
+    k = args.k
     for name, s in stats.items():
         if "median_s" in s:
             out[name + "_s"] = s["median_s"]
+    out["verify_over_decode"] = out["target_verify_step_s"] / out["target_decode_step_s"]
+    if "cycle_full_s" not in out:  # --steps-only
+        return _bytes(out, tc, ctx, batch)
     n = args.interval
     out["cycle_diffspec_with_retrieval_s"] = out["cycle_diffspec_s"] + out["retrieve_s"] / n
     work = (out["chunk_scores_s"] + out["selection_s"]) / n + out["gather_rope_write_s"]
@@ -362,13 +377,52 @@ def anatomy(target, dcfg, dparams, ctx, batch, args):
         out["projected_speedup_demo_acceptance"] = {
             "acceptance": demo, "full": demo["eagle3-full"] * dec / out["cycle_full_s"],
             "diffspec": demo["diffspec"] * dec / out["cycle_diffspec_with_retrieval_s"]}
-    # the HBM floor: every weight but the embedding table (B rows of it are read) + K and V up to the context
+    return _bytes(out, tc, ctx, batch)
+
+
+def _bytes(out, tc, ctx, batch):
+    """The bytes a decode step must move (the HBM floor's numerator): every weight but the embedding table (B rows
+    of it are read) + K and V up to the context."""
     embed = tc.vocab_size * tc.hidden_size
     kv_per_token = 2 * tc.num_hidden_layers * tc.num_key_value_heads * tc.head_dim * 2
     out["weight_bytes_read"] = (tc.num_parameters - embed + batch * tc.hidden_size) * 2
     out["kv_bytes_read"] = kv_per_token * ctx * batch
     out["decode_step_bytes"] = out["weight_bytes_read"] + out["kv_bytes_read"]
     return out
+
+
+def prefill_flops(tc, ctx: int, batch: int) -> dict[str, float]:
+    """FLOPs of a causal prefill of ``batch`` prompts of ``ctx`` tokens: the layers' matrix products (2 x their
+    weights x tokens; the LM head runs on the last row only) and attention (QK^T and PV over the causal half)."""
+    embed = tc.vocab_size * tc.hidden_size
+    lm_head = 0 if tc.tie_word_embeddings else embed
+    linear = 2 * (tc.num_parameters - embed - lm_head) * ctx * batch
+    attention = 4 * tc.num_hidden_layers * tc.num_attention_heads * tc.head_dim * batch * ctx * (ctx + 1) / 2
+    return {"linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
+
+
+def prefill_case(target, ctx: int, batch: int, peak: float, args) -> dict:
+    """Prefill through the public ``generate()`` (target-only, ``max_new_tokens=1``: prefill + the first token),
+    the second of two calls (the first compiles); TFLOP/s against the matrix-product peak of the same run."""
+    from diffspec_jax import generate
+    from diffspec_jax.target import plan_prefill
+
+    rng = np.random.default_rng(ctx + batch)
+    prompts = [rng.integers(0, target.config.vocab_size, ctx).tolist() for _ in range(batch)]
+    runs = []
+    for _ in range(1 + max(1, args.prefill_repeats)):
+        t0 = time.perf_counter()
+        res = generate(target, None, prompts, max_new_tokens=1, stop_token_ids=())
+        runs.append({"wall_s": time.perf_counter() - t0, "prefill_s": res.stats.prefill_s,
+                     "compile_s": getattr(res.stats, "compile_s", None)})
+    timed = runs[1:]
+    wall = statistics.median(r["wall_s"] for r in timed)
+    flops = prefill_flops(target.config, ctx, batch)
+    width, n_chunks = plan_prefill([ctx] * batch)
+    return {"context": ctx, "batch": batch, "chunk_width": width, "chunks": n_chunks, "runs": runs,
+            "prefill_s": wall, "flops": flops, "tflop_per_s": flops["total"] / wall / 1e12,
+            "fraction_of_matmul_peak": flops["total"] / wall / peak,
+            "floor_s_at_matmul_peak": flops["total"] / peak}
 
 
 @functools.lru_cache(maxsize=1)
@@ -449,7 +503,17 @@ def _peer_context(model, vocab, ctx, args):
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{ckw: dyn})
         tok = out.logits[:, -1:].argmax(-1)
         sync()
-        res["eager_prefill_s"] = time.perf_counter() - t0
+        res["eager_prefill_s"] = time.perf_counter() - t0  # the first call: includes the libraries' warm-up
+        del out, dyn
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        dyn = transformers.DynamicCache(config=model.config)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{ckw: dyn})
+        tok = out.logits[:, -1:].argmax(-1)
+        sync()
+        res["eager_prefill_warm_s"] = time.perf_counter() - t0
         for _ in range(warm):
             tok = model(input_ids=tok, use_cache=True, **{ckw: dyn}).logits[:, -1:].argmax(-1)
         sync()
@@ -571,7 +635,8 @@ def run_peer(contexts, args, parent_hashes, log) -> tuple[list[dict], dict]:
 def finalize(payload: dict) -> dict:
     """Peer ratios, the issue's targets (met / not met with numbers) and a compact summary table."""
     cases = {(c["context"], c["batch"]): c for c in payload["cases"]}
-    payload["not_run"] = [r for r in payload.get("not_run", []) if (r.get("context"), r.get("batch")) not in cases]
+    payload["not_run"] = [r for r in payload.get("not_run", [])
+                          if "prefill_error" in r or (r.get("context"), r.get("batch")) not in cases]
     for c in cases.values():  # files written before the field existed: the bandwidth their floor was computed with
         c.setdefault("copy_bandwidth_bytes_per_s", c["decode_step_bytes"] / c["hbm_floor_s"])
     payload["peer"].sort(key=lambda p: (p["batch"], p["context"]))
@@ -593,42 +658,81 @@ def finalize(payload: dict) -> dict:
         r = peer64.get(f"ratio_{kind}_over_ours")
         if r is not None:
             targets[f"decode_64k_b1_vs_transformers_{kind}_ge_{need:g}x"] = {"value": r, "met": r >= need}
-    for b in sorted({b for _, b in cases}):
-        ctxs = sorted(c for c, bb in cases if bb == b)
+    full = {key: c for key, c in cases.items() if "draft_propose_diffspec_s" in c}  # not --steps-only
+    for b in sorted({b for _, b in full}):
+        ctxs = sorted(c for c, bb in full if bb == b)
         if len(ctxs) < 2:
             continue
-        lo, hi = cases[(ctxs[0], b)], cases[(ctxs[-1], b)]
+        lo, hi = full[(ctxs[0], b)], full[(ctxs[-1], b)]
         ds = hi["draft_propose_diffspec_s"] / lo["draft_propose_diffspec_s"]
         fs = hi["draft_propose_full_s"] / lo["draft_propose_full_s"]
         targets[f"diffspec_draft_flat_b{b}_{ctxs[0]}_to_{ctxs[-1]}"] = {
             "diffspec_ratio": ds, "full_ratio": fs, "met": ds <= TARGET_DRAFT_FLAT and fs > TARGET_DRAFT_FLAT,
             "complete": ctxs[0] == 8192 and ctxs[-1] == 131072}
-    if cases:
-        worst = max(cases.values(), key=lambda c: c["retrieval_share_of_cycle"])
+    if full:
+        worst = max(full.values(), key=lambda c: c["retrieval_share_of_cycle"])
         targets["scoring_selection_gather_le_5pct_of_cycle"] = {
             "max_share": worst["retrieval_share_of_cycle"], "at": [worst["context"], worst["batch"]],
-            "max_share_dispatched": max(c["retrieval_share_dispatched"] for c in cases.values()),
+            "max_share_dispatched": max(c["retrieval_share_dispatched"] for c in full.values()),
             "met": worst["retrieval_share_of_cycle"] <= TARGET_RETRIEVAL_SHARE}
+    if cases:
+        for c in cases.values():
+            c.setdefault("verify_over_decode", c["target_verify_step_s"] / c["target_decode_step_s"])
+        worst = max(cases.values(), key=lambda c: c["verify_over_decode"])
+        targets[f"verify_step_le_{TARGET_VERIFY_OVER_DECODE:g}x_decode_step"] = {
+            "max_ratio": worst["verify_over_decode"], "at": [worst["context"], worst["batch"]],
+            "per_case": {f"{c['context']}x{c['batch']}": round(c["verify_over_decode"], 3)
+                         for c in sorted(cases.values(), key=lambda c: (c["batch"], c["context"]))},
+            "met": worst["verify_over_decode"] <= TARGET_VERIFY_OVER_DECODE}
+    _prefill_targets(payload, targets)
     payload["targets"] = targets
-    ms = lambda x: round(x * 1e3, 3)
+    ms = lambda x: None if x is None else round(x * 1e3, 3)  # noqa: E731
+    us = lambda x: None if x is None else round(x * 1e6, 1)  # noqa: E731
     payload["summary_ms"] = [
         {"context": c["context"], "batch": c["batch"], "decode": ms(c["target_decode_step_s"]),
          "decode_again": ms(c["target_decode_step_again_s"]) if "target_decode_step_again_s" in c else None,
          "hbm_floor": ms(c["hbm_floor_s"]), "over_floor": round(c["decode_step_over_floor"], 3),
-         "verify": ms(c["target_verify_step_s"]), "draft_full": ms(c["draft_propose_full_s"]),
-         "draft_diffspec": ms(c["draft_propose_diffspec_s"]), "scores_us": round(c["chunk_scores_s"] * 1e6, 1),
-         "selection_us": round(c["selection_s"] * 1e6, 1), "gather_us": round(c["gather_rope_write_s"] * 1e6, 1),
-         "retrieve_call_us": round(c["retrieve_s"] * 1e6, 1),
-         "retrieval_share_pct": round(100 * c["retrieval_share_of_cycle"], 2),
-         "cycle_full": ms(c["cycle_full_s"]), "cycle_diffspec": ms(c["cycle_diffspec_with_retrieval_s"]),
-         "speedup_at_3": {k: round(v, 2) for k, v in c["projected_speedup"]["3.0"].items()}}
+         "verify": ms(c["target_verify_step_s"]), "verify_over_decode": round(c["verify_over_decode"], 3),
+         "draft_full": ms(c.get("draft_propose_full_s")), "draft_diffspec": ms(c.get("draft_propose_diffspec_s")),
+         "scores_us": us(c.get("chunk_scores_s")), "selection_us": us(c.get("selection_s")),
+         "gather_us": us(c.get("gather_rope_write_s")), "retrieve_call_us": us(c.get("retrieve_s")),
+         "retrieval_share_pct": round(100 * c["retrieval_share_of_cycle"], 2) if c in full.values() else None,
+         "cycle_full": ms(c.get("cycle_full_s")), "cycle_diffspec": ms(c.get("cycle_diffspec_with_retrieval_s")),
+         "speedup_at_3": {k: round(v, 2) for k, v in c["projected_speedup"]["3.0"].items()}
+         if "projected_speedup" in c else None}
         for c in sorted(cases.values(), key=lambda c: (c["batch"], c["context"]))]
     payload["rechecks_summary_ms"] = [
         {"context": c["context"], "batch": c["batch"], "decode": ms(c["target_decode_step_s"]),
          "decode_again": ms(c["target_decode_step_again_s"]), "verify": ms(c["target_verify_step_s"]),
-         "over_floor": round(c["decode_step_over_floor"], 3), "draft_diffspec": ms(c["draft_propose_diffspec_s"]),
-         "cycle_diffspec": ms(c["cycle_diffspec_with_retrieval_s"])} for c in payload.get("rechecks", [])]
+         "over_floor": round(c["decode_step_over_floor"], 3), "draft_diffspec": ms(c.get("draft_propose_diffspec_s")),
+         "cycle_diffspec": ms(c.get("cycle_diffspec_with_retrieval_s"))} for c in payload.get("rechecks", [])]
     return payload
+
+
+def _prefill_targets(payload: dict, targets: dict) -> None:
+    """Prefill rows joined with the peer's warm eager prefill; issue 22's prefill targets."""
+    peer = {(p["context"], p["batch"]): p for p in payload["peer"] if "error" not in p}
+    for r in payload.get("prefill", []):
+        theirs = peer.get((r["context"], r["batch"]), {})
+        t = theirs.get("eager_prefill_warm_s", theirs.get("eager_prefill_s"))
+        if t is not None:
+            r["transformers_eager_prefill_s"] = t
+            r["transformers_over_ours"] = t / r["prefill_s"]
+    rows = {(r["context"], r["batch"]): r for r in payload.get("prefill", [])}
+    r64 = rows.get((65536, 1))
+    if r64:
+        targets[f"prefill_64k_b1_le_{TARGET_PREFILL_64K_S:g}s"] = {
+            "value": r64["prefill_s"], "met": r64["prefill_s"] <= TARGET_PREFILL_64K_S,
+            "transformers_eager_s": r64.get("transformers_eager_prefill_s"),
+            "faster_than_transformers_eager": r64.get("transformers_over_ours", 0) > 1}
+    b1 = [r for (c, b), r in sorted(rows.items()) if b == 1 and 8192 <= c <= 131072]
+    if b1:
+        worst = min(b1, key=lambda r: r["fraction_of_matmul_peak"])
+        targets[f"prefill_ge_{TARGET_PREFILL_PEAK_FRACTION:g}_of_matmul_peak_8k_to_128k"] = {
+            "min_fraction": worst["fraction_of_matmul_peak"], "at": worst["context"],
+            "per_context": {r["context"]: round(r["fraction_of_matmul_peak"], 3) for r in b1},
+            "complete": {r["context"] for r in b1} >= {8192, 32768, 65536, 131072},
+            "met": worst["fraction_of_matmul_peak"] >= TARGET_PREFILL_PEAK_FRACTION}
 
 
 def plot(payload: dict, path: Path) -> str | None:
@@ -653,19 +757,50 @@ def plot(payload: dict, path: Path) -> str | None:
         rows = sorted((c for c in cases if c["batch"] == b), key=lambda c: c["context"])
         return [kctx(c) for c in rows], [c[key] * scale for c in rows]
 
+    full = all("draft_propose_full_s" in c for c in cases)  # else --steps-only: prefill and verify panels
     for b in batches:
-        x, y = series(b, "draft_propose_full_s")
-        ax[0, 0].plot(x, y, "o-", color=colors[b], label=f"full store (EAGLE-3), batch {b}")
-        x, y = series(b, "draft_propose_diffspec_s")
-        ax[0, 0].plot(x, y, "s--", color=colors[b], label=f"working cache (DiffSpec), batch {b}")
+        if full:
+            x, y = series(b, "draft_propose_full_s")
+            ax[0, 0].plot(x, y, "o-", color=colors[b], label=f"full store (EAGLE-3), batch {b}")
+            x, y = series(b, "draft_propose_diffspec_s")
+            ax[0, 0].plot(x, y, "s--", color=colors[b], label=f"working cache (DiffSpec), batch {b}")
+            x, y = series(b, "retrieval_share_of_cycle", 100)
+            ax[1, 1].plot(x, y, "o-", color=colors[b], label=f"batch {b}")
+        else:
+            x, y = series(b, "verify_over_decode", 1)
+            ax[1, 1].plot(x, y, "o-", color=colors[b], label=f"batch {b}")
         x, y = series(b, "target_decode_step_s")
         ax[0, 1].plot(x, y, "o-", color=colors[b], label=f"decode step, batch {b}")
+        x, y = series(b, "target_verify_step_s")
+        ax[0, 1].plot(x, y, "^--", color=colors[b], label=f"verify step (K + 1 tokens), batch {b}")
         x, y = series(b, "hbm_floor_s")
         ax[0, 1].plot(x, y, ":", color=colors[b], label=f"HBM floor, batch {b}")
-        x, y = series(b, "retrieval_share_of_cycle", 100)
-        ax[1, 1].plot(x, y, "o-", color=colors[b], label=f"batch {b}")
     k = payload["settings"]["k"]
-    ax[0, 0].set(title=f"Draft: K = {k} proposals per cycle", ylabel="ms")
+    if full:
+        ax[0, 0].set(title=f"Draft: K = {k} proposals per cycle", ylabel="ms")
+        ax[1, 1].axhline(100 * TARGET_RETRIEVAL_SHARE, color="gray", ls=":", label="target 5%")
+        ax[1, 1].set(title=f"Scoring + selection (every {payload['settings']['interval']} cycles) + gather",
+                     ylabel="% of a DiffSpec cycle")
+    else:
+        ax[1, 1].axhline(1.0, color="black", lw=0.8)
+        ax[1, 1].axhline(TARGET_VERIFY_OVER_DECODE, color="gray", ls=":", label=f"target {TARGET_VERIFY_OVER_DECODE}x")
+        ax[1, 1].set(title=f"Verify step (K = {k}) / decode step", ylabel="ratio")
+        pre = sorted((r for r in payload.get("prefill", []) if r["batch"] == 1), key=lambda r: r["context"])
+        if pre:
+            x = [r["context"] / 1024 for r in pre]
+            ax[0, 0].plot(x, [r["prefill_s"] for r in pre], "o-", color="C0", label="diffspec_jax generate()")
+            ax[0, 0].plot(x, [r["floor_s_at_matmul_peak"] for r in pre], ":", color="C0",
+                          label="FLOP floor at the measured matmul peak")
+            theirs = [(r["context"] / 1024, r["transformers_eager_prefill_s"]) for r in pre
+                      if "transformers_eager_prefill_s" in r]
+            if theirs:
+                ax[0, 0].plot([t[0] for t in theirs], [t[1] for t in theirs], "s-", color="C3",
+                              label="transformers eager (sdpa)")
+            for r in pre:
+                ax[0, 0].annotate(f"{100 * r['fraction_of_matmul_peak']:.0f}%", (r["context"] / 1024, r["prefill_s"]),
+                                  textcoords="offset points", xytext=(4, -10), fontsize=8)
+            ax[0, 0].set_yscale("log")
+        ax[0, 0].set(title="Prefill, batch 1 (labels: share of the matmul peak)", ylabel="seconds")
     ax[0, 1].set(title="Target decode step vs HBM floor", ylabel="ms")
     peers = sorted((p for p in payload["peer"] if "ours_decode_step_s" in p), key=lambda p: p["context"])
     if peers:
@@ -689,9 +824,6 @@ def plot(payload: dict, path: Path) -> str | None:
         ax[1, 0].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax[1, 0].set_yticks([4, 6, 10, 20, 40, 70])
     ax[1, 0].set(title="Target-only decode, batch 1 (ratios: theirs / ours)", ylabel="ms per token")
-    ax[1, 1].axhline(100 * TARGET_RETRIEVAL_SHARE, color="gray", ls=":", label="target 5%")
-    ax[1, 1].set(title=f"Scoring + selection (every {payload['settings']['interval']} cycles) + gather",
-                 ylabel="% of a DiffSpec cycle")
     ticks = sorted({c["context"] / 1024 for c in cases} | {p["context"] / 1024 for p in peers})
     for a in ax.flat:
         a.set_xscale("log", base=2)
@@ -744,6 +876,11 @@ def main(argv=None) -> int:
                     help="start no case once this many seconds have passed (0 = no limit)")
     ap.add_argument("--resume", default=None, help="keep the cases and peer rows of this JSON and skip them")
     ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="per case only the target's decode and verify steps (no draft, retrieval or cycles)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="also time prefill through generate() per case (TFLOP/s against the matmul peak)")
+    ap.add_argument("--prefill-repeats", type=int, default=1, help="timed prefill calls after the compiling one")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/long_context.json")
     args = ap.parse_args(argv)
@@ -780,7 +917,8 @@ def main(argv=None) -> int:
                "cases": list((prev or {}).get("cases", [])), "skipped": [],
                "not_run": [r for r in (prev or {}).get("not_run", []) if "error" in r],
                "rechecks": list((prev or {}).get("rechecks", [])),
-               "peer": list((prev or {}).get("peer", [])), "peer_runs": list((prev or {}).get("peer_runs", []))}
+               "peer": list((prev or {}).get("peer", [])), "peer_runs": list((prev or {}).get("peer_runs", [])),
+               "prefill": list((prev or {}).get("prefill", []))}
     done = {(c["context"], c["batch"]) for c in payload["cases"]}
     target = random_target(tcfg)
     dparams = random_draft(dcfg, target)
@@ -790,6 +928,9 @@ def main(argv=None) -> int:
         raise SystemExit("--resume: that file was measured with other weights")
     bw = copy_bandwidth(16 << 20 if args.quick else 2 << 30)
     payload["copy_bandwidth"] = bw
+    if args.prefill:
+        payload["matmul_peak"] = matmul_peak(256 if args.quick else 8192)
+        print(f"bf16 matmul {payload['matmul_peak']['flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     print(f"copy bandwidth {bw['bytes_per_s'] / 1e12:.3f} TB/s; setup {time.perf_counter() - t_start:.1f}s",
           flush=True)
     kv_tok = 2 * tcfg.num_hidden_layers * tcfg.num_key_value_heads * tcfg.head_dim * 2
@@ -858,6 +999,17 @@ def main(argv=None) -> int:
         row["hbm_floor_s"] = row["decode_step_bytes"] / bw["bytes_per_s"]
         row["decode_step_over_floor"] = row["target_decode_step_s"] / row["hbm_floor_s"]
         row["wall_seconds"] = time.perf_counter() - t0
+        if args.prefill and not recheck and not any(
+                (r["context"], r["batch"]) == (ctx, b) for r in payload["prefill"]):
+            gc.collect()
+            try:
+                pre = prefill_case(target, ctx, b, payload["matmul_peak"]["flop_per_s"], args)
+                payload["prefill"].append(pre)
+                print({k: v for k, v in pre.items() if k not in ("runs", "flops")}, flush=True)
+            except Exception as e:  # noqa: BLE001 - recorded beside the case; the decode steps still count
+                payload["not_run"].append({"context": ctx, "batch": b,
+                                           "prefill_error": f"{type(e).__name__}: {e}"[:2000]})
+            gc.collect()
         if recheck:
             payload["rechecks"].append(row)
         else:

@@ -23,6 +23,7 @@ import numpy as np
 from flax import struct
 
 from diffspec_jax.errors import InputError
+from diffspec_jax.models import layers
 
 
 @struct.dataclass
@@ -80,17 +81,9 @@ def ancestry_mask(parents: jax.Array, valid: jax.Array, max_depth: int) -> jax.A
 
 
 def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:
-    """Softmax attention over two disjoint key sets from each part's output and log-sum-exp.
-
-    Args:
-        out_a, out_b: ``[B, T, H, D]``; lse_a, lse_b: float32 ``[B, T, H]``.
-    Returns:
-        ``e^(lse_a - lse) out_a + e^(lse_b - lse) out_b`` with ``lse = logaddexp(lse_a, lse_b)``, in out_a's dtype.
-    """
-    lse = jnp.logaddexp(lse_a, lse_b)
-    wa = jnp.exp(lse_a - lse)[..., None]
-    wb = jnp.exp(lse_b - lse)[..., None]
-    return (wa * out_a.astype(jnp.float32) + wb * out_b.astype(jnp.float32)).astype(out_a.dtype)
+    """Softmax attention over two disjoint key sets (:func:`diffspec_jax.models.layers.merge_attention`, output
+    only). out_a, out_b: ``[B, T, H, D]``; lse_a, lse_b: float32 ``[B, T, H]``."""
+    return layers.merge_attention(out_a, lse_a, out_b, lse_b)[0]
 
 
 def select_nodes(scores: jax.Array, pool_parent: jax.Array, pool_tokens: jax.Array, pool_depth: jax.Array,

@@ -104,6 +104,41 @@ def attention_dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, s
     return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype), lse
 
 
+def attention_prefix(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, scale: float
+                     ) -> tuple[jax.Array, jax.Array]:
+    """GQA of new queries over the first ``lengths[b]`` rows of a heads-first cache (the reference form of
+    :func:`pallas_kernels.cache_attention.cache_attention`).
+
+    Args:
+        q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]``; lengths: int32 ``[B]`` in ``0..S``: every query of
+            sequence b sees rows ``0 .. lengths[b] - 1`` (the committed prefix).
+    Returns:
+        ``(out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32)``. A sequence with ``lengths[b] == 0`` sees
+        nothing: its ``out`` is 0 and its ``lse`` is :data:`NEG_INF`, so a log-sum-exp merge gives it no weight.
+    """
+    b, t = q.shape[:2]
+    visible = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
+    out, lse = attention_dense(q, k, v, jnp.broadcast_to(visible[:, None, :], (b, t, k.shape[2])), scale,
+                               heads_first=True)
+    empty = (lengths <= 0)[:, None, None]
+    return jnp.where(empty[..., None], jnp.zeros((), out.dtype), out), jnp.where(empty, NEG_INF, lse)
+
+
+def merge_attention(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Softmax attention over two disjoint key sets from each part's output and log-sum-exp.
+
+    Args:
+        out_a, out_b: ``[B, T, H, D]``; lse_a, lse_b: float32 ``[B, T, H]`` (:data:`NEG_INF` = an empty part).
+    Returns:
+        ``(e^(lse_a - lse) out_a + e^(lse_b - lse) out_b`` in out_a's dtype, ``lse = logaddexp(lse_a, lse_b))``.
+    """
+    lse = jnp.logaddexp(lse_a, lse_b)
+    wa = jnp.exp(lse_a - lse)[..., None]
+    wb = jnp.exp(lse_b - lse)[..., None]
+    return (wa * out_a.astype(jnp.float32) + wb * out_b.astype(jnp.float32)).astype(out_a.dtype), lse
+
+
 def causal_mask(q_pos: jax.Array, num_keys: int) -> jax.Array:
     """bool ``[B, T, S]``: key s is visible to the query at position p iff ``s <= p``."""
     return jnp.arange(num_keys)[None, None, :] <= q_pos[:, :, None]

@@ -27,18 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from diffspec_jax.cache import ATTENTION_TILE, KVCache, write_rows
+from diffspec_jax.cache import KVCache
 from diffspec_jax.config import ModelConfig
+from diffspec_jax.models.attention import DENSE_ATTENTION_MAX_TOKENS, cache_attention  # noqa: F401 (re-exported)
 from diffspec_jax.models.layers import (
-    apply_rope, attention_dense, attention_tiled, causal_mask, embed_lookup, gather_vocab, rms_norm, rope_cos_sin,
-    swiglu,
+    apply_rope, attention_dense, causal_mask, embed_lookup, gather_vocab, rms_norm, rope_cos_sin, swiglu,
 )
 
 Params = dict[str, Any]
 
-#: steps with at most this many new tokens per sequence attend densely over the cache; longer ones (prefill
-#: chunks) use the tiled online-softmax path, which never builds a [T, S] score matrix
-DENSE_ATTENTION_MAX_TOKENS = 64
 
 
 def param_shapes(config: ModelConfig) -> Params:
@@ -256,28 +253,6 @@ def concat_aux(aux: list, aux_layers: tuple[int, ...], num_layers: int) -> jax.A
     return jnp.concatenate([a for _, a in sorted(aux, key=lambda p: p[0])], axis=-1)
 
 
-def cache_attention(q, k, v, k_buf, v_buf, positions, mask, scale, slots=None):
-    """Write a step's ``k, v [B, T, Hkv, D]`` into the layer's buffers ``[B, Hkv, S, D]`` at ``slots`` (default:
-    ``positions``) and attend ``q`` over them: densely under ``mask`` (short steps, trees) or tile by tile
-    (``mask=None``: prefill chunks). Returns ``((out, lse), k_buf, v_buf)``."""
-    slots = positions if slots is None else slots
-    kb = write_rows(k_buf, k, slots, heads_first=True)
-    vb = write_rows(v_buf, v, slots, heads_first=True)
-    if mask is not None:
-        return attention_dense(q, kb, vb, mask, scale, heads_first=True), kb, vb
-    return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, kb.shape[2]), heads_first=True), kb, vb
-
-
-def tree_cache_mask(start: jax.Array, ancestry: jax.Array, capacity: int) -> jax.Array:
-    """bool ``[B, T, S]`` for a tree block written at rows ``start .. start + T - 1``: the committed prefix (rows
-    ``< start``) plus the block rows marked in ``ancestry [B, T, T]``."""
-    t = ancestry.shape[1]
-    rel = jnp.arange(capacity, dtype=jnp.int32)[None, None, :] - start[:, None, None]
-    in_block = (rel >= 0) & (rel < t)
-    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (ancestry.shape[0], t, capacity))
-    return (rel < 0) | (in_block & jnp.take_along_axis(ancestry, idx, axis=2))
-
-
 def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, start: jax.Array,
          rows: jax.Array, *, aux_layers: tuple[int, ...] = (), score_layer: int | None = None,
          axis_name: str | None = None, tree: tuple[jax.Array, jax.Array] | None = None
@@ -301,14 +276,12 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
         ``(StepOutput, updated cache)``. Positions ``>= capacity`` are not written (and must not be queried).
     """
     b, t = tokens.shape
-    slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
-    positions = slots if tree is None else start[:, None].astype(jnp.int32) + tree[0]
+    positions = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if tree is not None:
+        positions = start[:, None].astype(jnp.int32) + tree[0]
     cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
     scale = config.head_dim ** -0.5
-    if tree is not None:
-        mask = tree_cache_mask(start, tree[1], cache.capacity)
-    else:
-        mask = causal_mask(positions, cache.capacity) if t <= DENSE_ATTENTION_MAX_TOKENS else None
+    block_mask = None if tree is None else tree[1]
     x = embed_lookup(params["embed"], tokens, axis_name)
     aux, new_k, new_v = [], [], []
     score_q = score_lse = None
@@ -317,7 +290,8 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
         k_buf, v_buf = cache.k[i], cache.v[i]
 
         def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
-            out, kb, vb = cache_attention(q, k, v, k_buf, v_buf, positions, mask, scale, slots)
+            out, kb, vb = cache_attention(q, k, v, k_buf, v_buf, start, scale, positions=positions,
+                                          block_mask=block_mask)
             new_k.append(kb)
             new_v.append(vb)
             return out

@@ -61,10 +61,11 @@ from flax import struct
 from diffspec_jax.cache import HybridCache, round_capacity
 from diffspec_jax.config import FULL_ATTENTION, ModelConfig
 from diffspec_jax.models.layers import (
-    apply_rope, causal_mask, embed_lookup, rope_cos_sin,
+    apply_rope, embed_lookup, rope_cos_sin,
 )
 from diffspec_jax.models import llama
-from diffspec_jax.models.llama import DENSE_ATTENTION_MAX_TOKENS, StepOutput, cache_attention, is_shape
+from diffspec_jax.models.attention import cache_attention
+from diffspec_jax.models.llama import StepOutput, is_shape
 
 Params = dict[str, Any]
 
@@ -388,7 +389,6 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
     nv = jnp.full((b,), t, jnp.int32) if num_valid is None else jnp.asarray(num_valid, jnp.int32)
     cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
     scale = config.head_dim ** -0.5
-    mask = causal_mask(positions, cache.capacity) if t <= DENSE_ATTENTION_MAX_TOKENS else None
     eps = config.rms_norm_eps
     x = embed_lookup(params["embed"], tokens, axis_name)
     aux = []
@@ -404,8 +404,8 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
             slot = cache.full_layers.index(i)
 
             def attend(q, k, v, slot=slot):
-                out, new_k[slot], new_v[slot] = cache_attention(q, k, v, new_k[slot], new_v[slot], positions, mask,
-                                                                scale)
+                out, new_k[slot], new_v[slot] = cache_attention(q, k, v, new_k[slot], new_v[slot], start, scale,
+                                                                positions=positions)
                 return out
 
             o, q, lse = _attention_block(config, lp, h, cos, sin, attend, axis_name)

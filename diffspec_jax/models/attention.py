@@ -1,0 +1,134 @@
+"""Attention of a target step over its KV cache: one entry point, three implementations.
+
+Every cached target step (prefill chunk, decode, chain verification, tree verification) writes its ``T`` new
+K/V rows at ``start .. start + T - 1`` and attends to the committed prefix (rows ``< start``) plus the block of
+new rows under a block mask (causal for chains and prefill, the ancestry mask for trees). :func:`cache_attention`
+computes exactly that and picks how:
+
+* **reference** (CPUs, and ``DIFFSPEC_KERNELS=reference``): one dense masked attention over the whole buffer for
+  steps of up to :data:`DENSE_ATTENTION_MAX_TOKENS` tokens, the tiled online-softmax loop of
+  :func:`diffspec_jax.models.layers.attention_tiled` for longer (prefill) chunks. These are the numerics every
+  test checks against transformers.
+* **fast** (``DIFFSPEC_KERNELS=pallas``, the default on GPUs): the two parts are computed separately and merged
+  by their log-sum-exp (:func:`diffspec_jax.models.layers.merge_attention`). The prefix goes through
+  :func:`pallas_kernels.dispatch.cache_attention` for short steps (split-K flash decoding: the ``T x G`` query
+  rows of a KV head share one read of each KV tile, so verifying K + 1 tokens reads the cache once, like a
+  decode step) and through cuDNN's flash attention for prefill chunks; the block is a small dense attention
+  (short steps) or cuDNN causal flash attention (prefill). Nothing of size ``[T, S]`` is ever built.
+* On a CPU with ``DIFFSPEC_KERNELS=pallas`` the fast path runs with the Pallas kernel interpreted and XLA in
+  place of cuDNN, so its decomposition and merge are tested without a GPU.
+
+cuDNN flash attention needs bfloat16 or float16 operands; float32 prefill on a GPU keeps the tiled XLA loop.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from diffspec_jax.cache import ATTENTION_TILE, write_rows
+from diffspec_jax.models.layers import NEG_INF, attention_dense, attention_prefix, attention_tiled, merge_attention
+from pallas_kernels import dispatch
+
+#: steps with at most this many new tokens per sequence attend densely over the cache (decode, verification,
+#: tree blocks); longer ones (prefill chunks) use the tiled (reference) or flash (fast) path
+DENSE_ATTENTION_MAX_TOKENS = 64
+
+
+def causal_block_mask(batch: int, t: int) -> jax.Array:
+    """bool ``[B, T, T]``: block row i sees block rows ``0..i`` (chains and prefill chunks)."""
+    tri = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    return jnp.broadcast_to(tri[None], (batch, t, t))
+
+
+def full_mask(start: jax.Array, block_mask: jax.Array, capacity: int) -> jax.Array:
+    """bool ``[B, T, S]`` over the whole buffer for a block written at rows ``start .. start + T - 1``: the
+    committed prefix (rows ``< start``) plus the block rows that ``block_mask [B, T, T]`` marks."""
+    t = block_mask.shape[1]
+    rel = jnp.arange(capacity, dtype=jnp.int32)[None, None, :] - start[:, None, None]
+    in_block = (rel >= 0) & (rel < t)
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (block_mask.shape[0], t, capacity))
+    return (rel < 0) | (in_block & jnp.take_along_axis(block_mask, idx, axis=2))
+
+
+def fast_path() -> bool:
+    """True when the fast implementations are chosen (:func:`pallas_kernels.dispatch.kernel_backend`)."""
+    return dispatch.kernel_backend() == "pallas"
+
+
+def _cudnn_ok(x: jax.Array) -> bool:
+    return jax.default_backend() == "gpu" and x.dtype in (jnp.bfloat16, jnp.float16)
+
+
+def _cudnn(q, k, v, *, scale, layout, mask, q_len=None, kv_len=None):
+    """cuDNN flash attention returning ``(out, lse)`` with lse float32 ``[B, Hq, T]`` (natural log, scaled logits).
+
+    jax.nn.dot_product_attention casts the softmax statistics to the output dtype; the lower-level call keeps
+    them in float32, which the log-sum-exp merge needs."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    kind = {"padding": cudnn.MaskType.PADDING, "causal": cudnn.MaskType.CAUSAL}[mask]
+    return cudnn.dot_product_attention(q, k, v, q_seqlen=q_len, kv_seqlen=kv_len, scale=scale, mask_type=kind,
+                                       qkv_layout=layout, return_residual=True)
+
+
+def flash_prefix(q, k_buf, v_buf, start, scale):
+    """Prefill queries ``[B, T, Hq, D]`` over the first ``start[b]`` rows of ``[B, Hkv, S, D]`` buffers.
+    Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``; an empty prefix gives 0 and NEG_INF."""
+    if not _cudnn_ok(q):
+        return attention_prefix(q, k_buf, v_buf, start, scale)
+    b, t = q.shape[:2]
+    out, lse = _cudnn(jnp.swapaxes(q, 1, 2), k_buf, v_buf, scale=scale, layout="BNTH", mask="padding",
+                      q_len=jnp.full((b,), t, jnp.int32), kv_len=start.astype(jnp.int32))
+    out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2).astype(jnp.float32)
+    empty = (start <= 0)[:, None, None]
+    return jnp.where(empty[..., None], jnp.zeros((), out.dtype), out), jnp.where(empty, NEG_INF, lse)
+
+
+def flash_causal(q, k, v, scale):
+    """Causal attention of a block over itself: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (row i sees rows
+    ``0..i``). Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``."""
+    if not _cudnn_ok(q):
+        return attention_dense(q, k, v, causal_block_mask(q.shape[0], q.shape[1]), scale)
+    out, lse = _cudnn(q, k, v, scale=scale, layout="BTNH", mask="causal")
+    return out, jnp.swapaxes(lse, 1, 2).astype(jnp.float32)
+
+
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, v_buf: jax.Array,
+                    start: jax.Array, scale: float, *, positions: jax.Array | None = None,
+                    block_mask: jax.Array | None = None):
+    """Write a step's new K/V into the layer's buffers and attend its queries over prefix + block.
+
+    Args:
+        q: ``[B, T, Hq, D]`` rotated queries; k, v: ``[B, T, Hkv, D]`` the step's rotated keys and values.
+        k_buf, v_buf: ``[B, Hkv, S, D]`` the layer's cache buffers (heads first).
+        start: int32 ``[B]`` committed length: block row i is written at row ``start + i``.
+        positions: int32 ``[B, T]`` RoPE positions (default ``start + i``); only the tiled reference prefill
+            reads them (a tree's rows are written at ``start + i`` but rotated at ``start + depth``).
+        block_mask: bool ``[B, T, T]`` which block rows each block row sees (default causal; trees pass their
+            ancestry mask). Prefill chunks (``T > DENSE_ATTENTION_MAX_TOKENS``) must be causal.
+    Returns:
+        ``((out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32), k_buf, v_buf)``.
+    """
+    b, t = q.shape[:2]
+    slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions = slots if positions is None else positions
+    kb = write_rows(k_buf, k, slots, heads_first=True)
+    vb = write_rows(v_buf, v, slots, heads_first=True)
+    dense = t <= DENSE_ATTENTION_MAX_TOKENS
+    if not dense and block_mask is not None:
+        raise ValueError(f"a block of {t} > {DENSE_ATTENTION_MAX_TOKENS} tokens must be causal (prefill)")
+    if not fast_path():
+        if dense:
+            mask = full_mask(start, causal_block_mask(b, t) if block_mask is None else block_mask, kb.shape[2])
+            return attention_dense(q, kb, vb, mask, scale, heads_first=True), kb, vb
+        return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, kb.shape[2]), heads_first=True), \
+            kb, vb
+    if dense:
+        prefix = dispatch.cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale)
+        block = attention_dense(q, k, v, causal_block_mask(b, t) if block_mask is None else block_mask, scale)
+    else:
+        prefix = flash_prefix(q, kb, vb, start, scale)
+        block = flash_causal(q, k.astype(q.dtype), v.astype(q.dtype), scale)
+    out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
+    return (out.astype(q.dtype), lse), kb, vb
