@@ -203,6 +203,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     ap.add_argument("--only", default=",".join(KERNELS), help=f"comma-separated kernels to run, of {KERNELS}")
     ap.add_argument("--cache-options", default="", help="cache_attention knobs, e.g. block=128,num_stages=3")
+    ap.add_argument("--cache-shapes", default="8192:1,65536:1,131072:1,8192:8,32768:8,65536:8",
+                    help="cache_attention (context:batch) cases")
     args = ap.parse_args(argv)
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     if not only or only - set(KERNELS):
@@ -235,7 +237,7 @@ def main(argv=None) -> int:
                     for w in (512, 1024, 2048):
                         results.append(bench_attention(b, t, w, 32, 8, 128, 3, False))
         if "cache_attention" in only:
-            for s, b in ((8192, 1), (65536, 1), (131072, 1), (8192, 8), (32768, 8), (65536, 8)):
+            for s, b in (tuple(int(v) for v in x.split(":")) for x in args.cache_shapes.split(",") if x):
                 for t in (1, 5):  # 2 input sets at batch 8: 4 GiB of K and V (+ the timing loop's copy)
                     results.append(bench_cache(b, t, s, 32, 8, 128, 3 if b == 1 else 2, False, cache_options))
     for r in results:
