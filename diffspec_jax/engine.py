@@ -1,6 +1,7 @@
-"""The decoding engine: prefill, the draft -> verify -> accept cycle, retrieval, and ``generate()``.
+"""The decoding engine: prefill, the draft -> verify -> accept cycle, retrieval, the device decode loop and
+``generate()``.
 
-Data path of one chain cycle (``_spec_cycle``, one jitted function, state donated):
+Data path of one chain cycle (``_spec_cycle``, a pure function of ``(params, state, inputs)``):
 
 1. **Draft step 0.** The entries committed by the previous verification (``pend_*``: token ``x_{t+1}`` paired
    with target aux features ``F_t``) are projected to pre-RoPE K/V (one layer: no attention needed) and stored
@@ -15,14 +16,36 @@ Data path of one chain cycle (``_spec_cycle``, one jitted function, state donate
    rolls their DeltaNet conv / recurrent states back to the state after the last accepted token (KV needs no
    rollback: rows beyond the committed length are masked and overwritten).
 
-The host decides the retrieval cadence per sequence (``_RetrievalControl``) and calls the jitted ``_retrieve``
-on due cycles only; everything on the device has static shapes, so nothing recompiles between cycles.
+The device loop (``_block``, one jitted ``lax.while_loop``, state donated) runs up to ``block_cycles`` cycles per
+dispatch. Per cycle and sequence it also: appends the emitted tokens to the block's output buffer and ends the
+sequence at a stop id or at its token limit (:class:`LoopState` ``done`` / ``count`` / ``limit``); counts cycles,
+accepted and drafted tokens and the accepted-depth histogram (:class:`BlockOut`); keeps the adaptive chain depth
+(:class:`DepthControl`, an exact integer mirror of :class:`diffspec_jax.adaptive.AdaptiveDepth`); and decides the
+DiffSpec retrieval cadence (:class:`Cadence`, an exact integer mirror of
+:class:`diffspec_jax.retrieval_control.RetrievalControl`), running the retrieval under ``lax.cond`` on the cycles
+where a sequence is due. The loop ends when every sequence is done or the block's cycle budget is spent.
+
+The host (``generate``) reads each block's :class:`BlockOut` once, after it has dispatched the next block (the
+device never waits for Python): it streams the new tokens, replays the per-cycle :class:`CycleRecord` into the
+host controllers (the retrieval counters of ``stats.retrieval``, the adaptive-depth and tree controllers' reports)
+and, between blocks, drops finished sequences from the batch (compaction). Tree mode's branching caps and node
+budget stay on the host (:class:`_ShapeControl`; their float statistics are not mirrored on the device): they are
+inputs of a block, fixed during it. When they change from cycle to cycle (``hazard`` branching, or the adaptive
+node budget) the default block is one cycle with no block in flight ahead, so their trajectories are today's,
+cycle by cycle; an explicit ``block_cycles > 1`` there updates them between blocks instead.
+
+Everything on the device has static shapes, so nothing recompiles between cycles or blocks; the programs are
+compiled ahead of time once per shape (:class:`_Program`, their time reported as ``GenerateStats.compile_s``), the
+cache capacity is bucketed (:func:`capacity_bucket`) so nearby prompt lengths share programs, and JAX's persistent
+compilation cache is switched on at the first ``generate()`` call (:func:`enable_compilation_cache`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -32,20 +55,34 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diffspec_jax import adaptive, retrieval, sharding, tree, verification, working_cache
 from pallas_kernels import dispatch
-from diffspec_jax.cache import HybridCache, KVCache, create_cache, move_rows, round_capacity
+from diffspec_jax.cache import ATTENTION_TILE, HybridCache, KVCache, create_cache, move_rows, round_capacity
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.models import eagle3, ensure_tree_supported, family
-from diffspec_jax.retrieval_control import RetrievalControl
+from diffspec_jax.retrieval_control import (ADAPTIVE_ACCEPT_FACTOR, ADAPTIVE_JACCARD, ADAPTIVE_MAX_INTERVAL,
+                                            RetrievalControl, ratio)
 from diffspec_jax.sampling import choose, processed_logprobs
 from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
 from diffspec_jax.models.layers import attention_dense
 from diffspec_jax.working_cache import DraftCache
+
+#: cycles per device-loop block (``generate(block_cycles=None)``): the host reads results, streams tokens and
+#: updates the progress bar once per block, so streaming latency is at most this many cycles (about 0.1 s at 64K
+#: context on an H200), while the host's per-block work (a few ms) hides behind the block in flight
+DEFAULT_BLOCK_CYCLES = 16
+#: stop ids are passed as a static-size int32 array padded with -1 to a multiple of this (no recompiles for a
+#: different stop set of similar size)
+STOP_IDS_MULTIPLE = 8
+#: the environment variable naming JAX's persistent compilation cache directory (``0``: leave the cache off)
+COMPILATION_CACHE_ENV = "DIFFSPEC_COMPILATION_CACHE"
+#: programs that take at least this long to compile are written to the persistent cache (JAX's default is 1 s)
+CACHE_MIN_COMPILE_SECS = 0.1
+
 
 # ------------------------------------------------------------------------------------------------ state
 @struct.dataclass
@@ -82,6 +119,7 @@ class DecodeState:
         pick = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
         rng = self.rng
         return jax.tree_util.tree_map(pick, self.replace(rng=jnp.zeros((len(rows),), jnp.uint32))).replace(rng=rng)
+
 
 
 @dataclass(frozen=True)
@@ -139,6 +177,26 @@ class Plan:
     @property
     def num_chunks(self) -> int:
         return retrieval.num_chunks(self.capacity, self.spec.diffspec_chunk_size)
+
+    @property
+    def tree_mode(self) -> bool:
+        """Tree drafting and verification."""
+        return self.speculative and self.spec.tree
+
+    @property
+    def adaptive_depth(self) -> bool:
+        """Adaptive chain depth (chain mode with ``diffspec_adaptive_profile``), kept on the device."""
+        return self.speculative and not self.spec.tree and self.spec.diffspec_adaptive_profile
+
+    @property
+    def host_shaped(self) -> bool:
+        """Tree mode whose branching caps or node budget change between cycles (host controllers)."""
+        return self.tree_mode and (self.spec.diffspec_tree_branching == "hazard" or self.spec.diffspec_adaptive_profile)
+
+    @property
+    def records(self) -> bool:
+        """Whether a block returns its per-cycle :class:`CycleRecord` (some host controller replays it)."""
+        return self.diffspec or self.tree_mode or self.adaptive_depth
 
 
 def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:
@@ -494,6 +552,8 @@ def _tree_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, caps, 
     tcache = move_rows(tcache, state.length, path)
     state, emitted, m = _accept(plan, state, active, rng, tcache, dcache, ret, out, m, emitted, path)
     return state, emitted, m, n, window, t.size
+
+
 def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     """Autoregressive baseline: one target step on ``last_token``; same cache machinery."""
     rng, key = _split(plan, state.rng)
@@ -508,12 +568,9 @@ def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     return state, tok[:, None], zero, zero, zero
 
 
-def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):
-    """Score chunks and replace the selection of the sequences in ``mask`` (bool ``[B]``).
-
-    Returns the state and each shard's anchors ``[1, B, A]`` (stacked over ``tp`` by the caller's out specs), so
-    the host can check that every rank selected the same chunks.
-    """
+# --------------------------------------------------------------------------------------------- retrieval
+def _select_anchors(plan: Plan, tparams, dparams, state: DecodeState) -> jax.Array:
+    """Score the chunks of every sequence's context and select its anchors, int32 ``[B, A]`` (``A = Nmax - 1``)."""
     spec, ret = plan.spec, state.retrieval
     c = spec.diffspec_chunk_size
     root = state.length - 1
@@ -532,10 +589,314 @@ def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):
         scores = retrieval.salience_scores(_gather_heads(plan, q, 1), _gather_heads(plan, ret.chunk_sum, 2), root,
                                            c)
     summaries = None if ret.chunk_sum is None else _gather_heads(plan, ret.chunk_sum, 2)
-    anchors = retrieval.select_chunks(scores, root, c, spec.max_chunks, spec.diffspec_keep_sink_chunk,
-                                      spec.diffspec_redundancy_weight, summaries)
-    anchors = jnp.where(mask[:, None], anchors, ret.anchors)
+    return retrieval.select_chunks(scores, root, c, spec.max_chunks, spec.diffspec_keep_sink_chunk,
+                                   spec.diffspec_redundancy_weight, summaries)
+
+
+def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):
+    """Score chunks and replace the selection of the sequences in ``mask`` (bool ``[B]``).
+
+    Returns the state and each shard's anchors ``[1, B, A]`` (stacked over ``tp`` by the caller's out specs), so
+    the host can check that every rank selected the same chunks.
+    """
+    ret = state.retrieval
+    anchors = jnp.where(mask[:, None], _select_anchors(plan, tparams, dparams, state), ret.anchors)
     return state.replace(retrieval=ret.replace(anchors=anchors)), anchors[None]
+
+
+# ------------------------------------------------------------------------------------------- device loop
+@struct.dataclass
+class Cadence:
+    """The DiffSpec retrieval cadence per sequence on the device: an exact integer mirror of
+    :class:`diffspec_jax.retrieval_control.RetrievalCounters`' private fields (all ``[B]`` unless noted).
+
+    Attributes:
+        since: int32 cycles since the last retrieval; interval: int32 the current interval.
+        accept_sum, accept_n: int32 emitted tokens (m + 1) and verifications since the last retrieval.
+        prev_sum, prev_n: int32 the same over the period before the last retrieval (``prev_n == 0``: none yet).
+        selected: bool ``[B, Nc]`` the chunk set of the last retrieval (anchors + the newest chunk; all False before
+            the first).
+    """
+
+    since: jax.Array
+    interval: jax.Array
+    accept_sum: jax.Array
+    accept_n: jax.Array
+    prev_sum: jax.Array
+    prev_n: jax.Array
+    selected: jax.Array
+
+
+@struct.dataclass
+class DepthControl:
+    """Adaptive chain depth per sequence on the device, an exact integer mirror of
+    :class:`diffspec_jax.adaptive.AdaptiveDepth`: int32 ``[B]`` ``depth`` (the next cycle's), ``floor``, and the
+    runs of ``good`` and ``bad`` cycles."""
+
+    depth: jax.Array
+    floor: jax.Array
+    good: jax.Array
+    bad: jax.Array
+
+
+@struct.dataclass
+class LoopState:
+    """Per-sequence decode-loop state carried from block to block beside :class:`DecodeState` (batch-first).
+
+    Attributes:
+        done: bool ``[B]`` the sequence has ended (stop id, token limit, or a padding row).
+        count: int32 ``[B]`` tokens emitted so far (the prefill's first token included).
+        limit: int32 ``[B]`` the sequence's token limit (``max_new_tokens``; 0 for padding rows).
+        cadence: :class:`Cadence` (``diffspec`` policy only); depth: :class:`DepthControl` (adaptive chain depth).
+    """
+
+    done: jax.Array
+    count: jax.Array
+    limit: jax.Array
+    cadence: Cadence | None = None
+    depth: DepthControl | None = None
+
+    def take(self, rows: np.ndarray) -> LoopState:
+        """Keep batch rows ``rows`` (compaction)."""
+        idx = jnp.asarray(rows, jnp.int32)
+        return jax.tree_util.tree_map(lambda x: jnp.take(x, idx, axis=0), self)
+
+
+@struct.dataclass
+class CycleRecord:
+    """What each cycle of a block decided, for the host controllers to replay (``[C, B]`` unless noted; rows of
+    cycles past ``BlockOut.steps`` are zero).
+
+    Attributes:
+        live: bool, the row was verified this cycle; m: int32 accepted drafts.
+        n, window: int32 the draft's history length and rolling-window tokens (``diffspec``).
+        due: bool, the row retrieved after this cycle (``diffspec``).
+        anchors: int32 ``[ranks, C, B, A]`` every tensor-parallel rank's anchors after the cycle (``diffspec``).
+        depth: int32 the chain depth the row drafted (adaptive depth).
+    """
+
+    live: jax.Array
+    m: jax.Array
+    n: jax.Array | None = None
+    window: jax.Array | None = None
+    due: jax.Array | None = None
+    anchors: jax.Array | None = None
+    depth: jax.Array | None = None
+
+
+@struct.dataclass
+class BlockOut:
+    """A block's results, read by the host once per block (batch rows as in the block's input).
+
+    Attributes:
+        tokens: int32 ``[B, C * (K + 1)]`` tokens emitted during the block (the first ``new[b]`` of row b).
+        new: int32 ``[B]``; done: bool ``[B]`` (after the block).
+        cycles, accepted, drafted: int32 ``[B]`` verifications of the row, accepted drafts and drafted tokens (chain
+            depth or tree nodes) during the block; hist: int32 ``[B, K + 1]`` verifications by accepted drafts.
+        steps: int32 ``[]`` loop iterations (batch cycles) run.
+        record: :class:`CycleRecord` or ``None`` (no host controller needs one).
+    """
+
+    tokens: jax.Array
+    new: jax.Array
+    done: jax.Array
+    cycles: jax.Array
+    accepted: jax.Array
+    drafted: jax.Array
+    hist: jax.Array
+    steps: jax.Array
+    record: CycleRecord | None = None
+
+
+def _any_global(plan: Plan, x: jax.Array) -> jax.Array:
+    """``any(x)`` over the whole batch (every data-parallel replica agrees, so they all branch alike)."""
+    y = jnp.any(x)
+    if plan.mesh is not None and plan.dp > 1:
+        y = jax.lax.psum(y.astype(jnp.int32), sharding.DP) > 0
+    return y
+
+
+def _max_global(plan: Plan, x: jax.Array) -> jax.Array:
+    y = jnp.max(x)
+    if plan.mesh is not None and plan.dp > 1:
+        y = jax.lax.pmax(y, sharding.DP)
+    return y
+
+
+def _block_out_init(plan: Plan, b: int, cycles: int) -> BlockOut:
+    k1 = plan.k + 1
+    zb = jnp.zeros((b,), jnp.int32)
+    zc = jnp.zeros((cycles, b), jnp.int32)
+    rec = None
+    if plan.records:
+        rec = CycleRecord(live=jnp.zeros((cycles, b), bool), m=zc)
+        if plan.diffspec:
+            rec = rec.replace(n=zc, window=zc, due=jnp.zeros((cycles, b), bool),
+                              anchors=jnp.zeros((cycles, b, plan.spec.max_chunks - 1), jnp.int32))
+        if plan.adaptive_depth:
+            rec = rec.replace(depth=zc)
+    return BlockOut(tokens=jnp.zeros((b, cycles * k1), jnp.int32), new=zb, done=jnp.zeros((b,), bool), cycles=zb,
+                    accepted=zb, drafted=zb, hist=jnp.zeros((b, k1), jnp.int32), steps=jnp.zeros((), jnp.int32),
+                    record=rec)
+
+
+def _spec_cycle_at(plan: Plan, depth: int, tparams, dparams, state, active, depth_rows):
+    return _spec_cycle(plan, tparams, dparams, state, active, depth_rows, depth=depth)
+
+
+def _loop_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depths, caps, budget):
+    """The plan's cycle: ``(state, emitted [B, K+1], m [B], n [B], window [B], drafted [B])``. Adaptive depth runs
+    the batch at its largest depth (``lax.switch`` over the K compiled depths)."""
+    if not plan.speculative:
+        state, emitted, m, n, window = _target_cycle(plan, tparams, dparams, state, active)
+        return state, emitted, m, n, window, jnp.zeros_like(m)
+    if plan.spec.tree:
+        state, emitted, m, n, window, size = _tree_cycle(plan, tparams, dparams, state, active, caps, budget)
+        return state, emitted, m, n, window, size
+    if depths is not None:
+        top = _max_global(plan, jnp.where(active, depths, 1))
+        branches = [functools.partial(_spec_cycle_at, plan, d) for d in range(1, plan.k + 1)]
+        state, emitted, m, n, window = jax.lax.switch(top - 1, branches, tparams, dparams, state, active, depths)
+        return state, emitted, m, n, window, depths
+    state, emitted, m, n, window = _spec_cycle(plan, tparams, dparams, state, active)
+    return state, emitted, m, n, window, jnp.full_like(m, plan.k)
+
+
+def _emit(loop: LoopState, out: BlockOut, active, emitted, m, stops) -> tuple[LoopState, BlockOut]:
+    """Append each active row's ``m + 1`` emitted tokens to the block's buffer, up to and including the first stop
+    id or the token that reaches the row's limit (which end the row)."""
+    b, k1 = emitted.shape
+    j = jnp.arange(k1, dtype=jnp.int32)[None, :]
+    valid = active[:, None] & (j <= m[:, None])
+    is_stop = jnp.any(emitted[:, :, None] == stops[None, None, :], axis=-1)
+    ends = valid & (is_stop | (j + 1 >= (loop.limit - loop.count)[:, None]))
+    ended = jnp.any(ends, axis=1)
+    take = jnp.where(ended, jnp.argmax(ends, axis=1).astype(jnp.int32) + 1, m + 1)
+    take = jnp.where(active, take, 0)
+    width = out.tokens.shape[1]
+    cols = jnp.where(j < take[:, None], out.new[:, None] + j, width)  # past the buffer: dropped
+    tokens = out.tokens.at[jnp.arange(b)[:, None], cols].set(emitted, mode="drop")
+    loop = loop.replace(count=loop.count + take, done=loop.done | (active & ended))
+    return loop, out.replace(tokens=tokens, new=out.new + take)
+
+
+def _count(plan: Plan, out: BlockOut, active, m, drafted) -> BlockOut:
+    a = active.astype(jnp.int32)
+    out = out.replace(cycles=out.cycles + a, accepted=out.accepted + jnp.where(active, m, 0),
+                      drafted=out.drafted + jnp.where(active, drafted, 0))
+    if plan.k:
+        out = out.replace(hist=out.hist + jax.nn.one_hot(m, plan.k + 1, dtype=jnp.int32) * a[:, None])
+    return out
+
+
+def _depth_observe(plan: Plan, dc: DepthControl, active, m, length) -> DepthControl:
+    """:meth:`diffspec_jax.adaptive.AdaptiveDepth.observe` for the active rows, in integers: the accepted share
+    ``m / depth`` is compared with the decimal thresholds as fractions (exactly what the float test decides)."""
+    spec, k = plan.spec, plan.k
+    floor = jnp.where(length >= spec.diffspec_long_context_threshold, spec.diffspec_long_context_depth, k)
+    gn, gd = ratio(adaptive.DEPTH_GOOD_FRAC)
+    bn, bd = ratio(adaptive.DEPTH_BAD_FRAC)
+    good_c = m * gd >= gn * dc.depth
+    bad_c = m * bd <= bn * dc.depth
+    good = jnp.where(good_c, dc.good + 1, 0)
+    bad = jnp.where(good_c, 0, jnp.where(bad_c, dc.bad + 1, 0))
+    depth = dc.depth
+    up = (good >= adaptive.DEPTH_GOOD_COUNT) & (depth < k)
+    depth, good = jnp.where(up, depth + 1, depth), jnp.where(up, 0, good)
+    down = (bad >= adaptive.DEPTH_BAD_COUNT) & (depth > floor)
+    depth, bad = jnp.where(down, depth - 1, depth), jnp.where(down, 0, bad)
+    depth = jnp.maximum(depth, floor)
+    keep = lambda new, old: jnp.where(active, new, old).astype(jnp.int32)  # noqa: E731
+    return DepthControl(depth=keep(depth, dc.depth), floor=keep(floor, dc.floor), good=keep(good, dc.good),
+                        bad=keep(bad, dc.bad))
+
+
+def _cadence_record(plan: Plan, cad: Cadence, due, anchors, root) -> Cadence:
+    """:meth:`RetrievalControl.record` (a decode retrieval) for the rows in ``due``: Jaccard overlap of the chunk
+    sets and the acceptance-period test as integer comparisons (exactly the host's decisions)."""
+    spec = plan.spec
+    b, nc = cad.selected.shape
+    bidx = jnp.arange(b)[:, None]
+    sel = jnp.zeros_like(cad.selected).at[bidx, jnp.where(anchors >= 0, anchors, nc)].set(True, mode="drop")
+    sel = sel.at[bidx[:, 0], root // spec.diffspec_chunk_size].set(True, mode="drop")
+    prev = cad.selected
+    inter = jnp.sum(sel & prev, axis=1)
+    union = jnp.sum(sel | prev, axis=1)
+    jn, jd = ratio(ADAPTIVE_JACCARD)
+    stable = jnp.any(prev, axis=1) & (inter * jd >= union * jn)
+    interval, prev_sum, prev_n = cad.interval, cad.prev_sum, cad.prev_n
+    if spec.diffspec_adaptive_profile:
+        an, ad = ratio(ADAPTIVE_ACCEPT_FACTOR)
+        holds = (cad.accept_n > 0) & (prev_n > 0) & (cad.accept_sum * prev_n * ad >= an * prev_sum * cad.accept_n)
+        grown = jnp.where(stable & holds, jnp.minimum(2 * interval, ADAPTIVE_MAX_INTERVAL),
+                          spec.diffspec_retrieval_interval)
+        interval = jnp.where(due, grown, interval)
+        prev_sum, prev_n = jnp.where(due, cad.accept_sum, prev_sum), jnp.where(due, cad.accept_n, prev_n)
+    zero = jnp.zeros_like(cad.since)
+    return Cadence(since=jnp.where(due, zero, cad.since), interval=interval.astype(jnp.int32),
+                   accept_sum=jnp.where(due, zero, cad.accept_sum), accept_n=jnp.where(due, zero, cad.accept_n),
+                   prev_sum=prev_sum, prev_n=prev_n, selected=jnp.where(due[:, None], sel, prev))
+
+
+def _cadence_step(plan: Plan, tparams, dparams, state: DecodeState, cad: Cadence, active, m):
+    """After a cycle: book it (:meth:`RetrievalControl.observe` and ``due``) and retrieve for the due rows (under
+    ``lax.cond``: cycles with no due row skip the scoring). Returns ``(state, cadence, due [B])``."""
+    spec = plan.spec
+    root = state.length - 1
+    a = active.astype(jnp.int32)
+    since = cad.since + a
+    cad = cad.replace(accept_sum=cad.accept_sum + jnp.where(active, m + 1, 0), accept_n=cad.accept_n + a,
+                      since=since)
+    due = active & (since >= cad.interval) & (root > spec.history_budget)
+    old = state.retrieval.anchors
+    anchors = jax.lax.cond(
+        _any_global(plan, due),
+        lambda: jnp.where(due[:, None], _select_anchors(plan, tparams, dparams, state), old), lambda: old)
+    state = state.replace(retrieval=state.retrieval.replace(anchors=anchors))
+    return state, _cadence_record(plan, cad, due, anchors, root), due
+
+
+def _block(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, stops, caps, budget, *,
+           cycles: int):
+    """Up to ``cycles`` decode cycles in one ``lax.while_loop``, ending early when every row is done.
+
+    Args:
+        state: :class:`DecodeState`; loop: :class:`LoopState` (both donated).
+        stops: int32 ``[S]`` stop ids, ``-1`` padded (replicated).
+        caps: int32 ``[B, K]``, budget: int32 ``[B]``: tree mode's branching caps and node budgets for the whole
+            block (``None`` in chain mode).
+    Returns:
+        ``(state, loop, BlockOut)``.
+    """
+    out = _block_out_init(plan, state.length.shape[0], cycles)
+
+    def body(carry):
+        i, _, state, loop, out = carry
+        active = ~loop.done
+        depths = None if loop.depth is None else loop.depth.depth
+        state, emitted, m, n, window, drafted = _loop_cycle(plan, tparams, dparams, state, active, depths, caps,
+                                                            budget)
+        loop, out = _emit(loop, out, active, emitted, m, stops)
+        out = _count(plan, out, active, m, drafted)
+        rec = out.record
+        if rec is not None:
+            rec = rec.replace(live=rec.live.at[i].set(active), m=rec.m.at[i].set(jnp.where(active, m, 0)))
+        if loop.depth is not None:
+            rec = rec.replace(depth=rec.depth.at[i].set(depths))
+            loop = loop.replace(depth=_depth_observe(plan, loop.depth, active, m, state.length))
+        if loop.cadence is not None:
+            state, cad, due = _cadence_step(plan, tparams, dparams, state, loop.cadence, active, m)
+            loop = loop.replace(cadence=cad)
+            rec = rec.replace(n=rec.n.at[i].set(n), window=rec.window.at[i].set(window), due=rec.due.at[i].set(due),
+                              anchors=rec.anchors.at[i].set(state.retrieval.anchors))
+        return i + 1, _any_global(plan, ~loop.done), state, loop, out.replace(record=rec)
+
+    init = (jnp.zeros((), jnp.int32), _any_global(plan, ~loop.done), state, loop, out)
+    steps, _, state, loop, out = jax.lax.while_loop(lambda c: (c[0] < cycles) & c[1], body, init)
+    rec = out.record
+    if rec is not None and rec.anchors is not None:
+        rec = rec.replace(anchors=rec.anchors[None])  # [1, C, B, A] per shard: stacked over tp by the out specs
+    return state, loop, out.replace(steps=steps, done=loop.done, record=rec)
 
 
 def _gather_heads(plan: Plan, x: jax.Array, axis: int) -> jax.Array:
@@ -576,6 +937,31 @@ def state_specs(plan: Plan) -> DecodeState:
                        pend_count=P(dp), seq_id=P(dp), rng=P())
 
 
+def loop_specs(plan: Plan) -> LoopState:
+    """PartitionSpecs of the :class:`LoopState` (batch over ``dp``, replicated over ``tp``)."""
+    dp = sharding.DP if plan.dp > 1 else None
+    row = P(dp)
+    cad = Cadence(since=row, interval=row, accept_sum=row, accept_n=row, prev_sum=row, prev_n=row,
+                  selected=P(dp, None)) if plan.diffspec else None
+    depth = DepthControl(depth=row, floor=row, good=row, bad=row) if plan.adaptive_depth else None
+    return LoopState(done=row, count=row, limit=row, cadence=cad, depth=depth)
+
+
+def block_out_specs(plan: Plan) -> BlockOut:
+    """PartitionSpecs of a :class:`BlockOut` (batch over ``dp``; the anchors' rank axis over ``tp``)."""
+    dp = sharding.DP if plan.dp > 1 else None
+    row, rows2, per_cycle = P(dp), P(dp, None), P(None, dp)
+    rec = None
+    if plan.records:
+        rec = CycleRecord(live=per_cycle, m=per_cycle)
+        if plan.diffspec:
+            rec = rec.replace(n=per_cycle, window=per_cycle, due=per_cycle, anchors=P(sharding.TP, None, dp, None))
+        if plan.adaptive_depth:
+            rec = rec.replace(depth=per_cycle)
+    return BlockOut(tokens=rows2, new=row, done=row, cycles=row, accepted=row, drafted=row, hist=rows2, steps=P(),
+                    record=rec)
+
+
 def _spec_tree(key):
     return None if key is None else jax.tree_util.tree_unflatten(key[0], key[1])
 
@@ -588,27 +974,79 @@ def param_spec_key(params) -> tuple | None:
     return treedef, tuple(x.sharding.spec for x in leaves)
 
 
+class _CompileClock:
+    """Seconds spent compiling (tracing, lowering, XLA compilation or a persistent-cache load) in one call."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+
+def _signature(args) -> tuple:
+    """What a compiled executable is specific to: the pytree structure and each leaf's shape, dtype, weak type and
+    sharding (as ``jit``'s own cache keys them)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple((x.shape, x.dtype, bool(getattr(x, "weak_type", False)), getattr(x, "sharding", None))
+                          for x in leaves)
+
+
+class _Program:
+    """A jitted step compiled ahead of time (``jit(...).lower(*args).compile()``) the first time it meets an
+    argument signature, so compilation is timed apart from execution.
+
+    Before compiling, the arguments are waited for: the device is then idle, and the wall time of the caller's
+    region minus the compile time is exactly its run time (prefill, decode). The executables of the last
+    ``max_entries`` signatures are kept (they live as long as :func:`compiled`'s entry for the plan).
+    """
+
+    def __init__(self, jitted, max_entries: int = 16):
+        self.jitted = jitted
+        self.max_entries = max_entries
+        self._exe: collections.OrderedDict = collections.OrderedDict()
+
+    def __call__(self, clock: _CompileClock, *args):
+        key = _signature(args)
+        exe = self._exe.get(key)
+        if exe is None:
+            jax.block_until_ready(args)
+            t = time.perf_counter()
+            exe = self.jitted.lower(*args).compile()
+            clock.seconds += time.perf_counter() - t
+            self._exe[key] = exe
+            while len(self._exe) > self.max_entries:
+                self._exe.popitem(last=False)
+        else:
+            self._exe.move_to_end(key)
+        return exe(*args)
+
+
 @functools.lru_cache(maxsize=64)
 def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
     """The jitted steps of ``plan``: plain ``jit`` without a mesh, ``jit(shard_map(...))`` with one. Cached per
     plan, so repeated :func:`generate` calls reuse the compilations.
 
     ``cycle(tparams, dparams, state, active)`` is the K-deep chain (or target-only) cycle; ``cycle_at(d)`` the
-    d-deep chain taking per-sequence depths (adaptive depth; compiled once per depth used);
-    ``tree_cycle(tparams, dparams, state, active, caps, budget)`` the tree cycle.
+    d-deep chain taking per-sequence depths; ``tree_cycle(tparams, dparams, state, active, caps, budget)`` the tree
+    cycle; ``block(c)`` the device loop of up to ``c`` cycles, ``(tparams, dparams, state, loop, stops, caps,
+    budget) -> (state, loop, BlockOut)`` (state and loop donated). ``programs`` holds the ahead-of-time
+    compiled :class:`_Program` versions :func:`generate` runs: ``prefill_chunk``, ``start_decode``, ``retrieve``,
+    ``block(c)`` and ``init(batch, target_dtype, draft_dtype)`` (``(key) -> DecodeState``).
     """
     dp = sharding.DP if plan.dp > 1 else None
     tp = sharding.TP
     row, rows2 = P(dp), P(dp, None)
 
     def make(fn, donate, ins, outs):
+        donate = donate if isinstance(donate, tuple) else (donate,)
         if plan.mesh is None:
-            return jax.jit(functools.partial(fn, plan), donate_argnums=(donate,))
+            return jax.jit(functools.partial(fn, plan), donate_argnums=donate)
         mapped = jax.shard_map(functools.partial(fn, plan), mesh=plan.mesh, in_specs=ins, out_specs=outs,
                                check_vma=False)
-        return jax.jit(mapped, donate_argnums=(donate,))
+        return jax.jit(mapped, donate_argnums=donate)
 
-    st = state_specs(plan) if plan.mesh is not None else None
+    mesh = plan.mesh is not None
+    st = state_specs(plan) if mesh else None
+    ls = loop_specs(plan) if mesh else None
+    bo = block_out_specs(plan) if mesh else None
     tparams, dparams = _spec_tree(tspec_key), _spec_tree(dspec_key)
     acc = _PrefillAcc(logits=rows2, aux=rows2, score_q=P(dp, tp, None), score_lse=P(dp, tp))
     cycle_out = (st, rows2, row, row, row)
@@ -619,8 +1057,25 @@ def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
         cycle=make(_spec_cycle if plan.speculative else _target_cycle, 2, (tparams, dparams, st, row), cycle_out))
     out.cycle_at = functools.lru_cache(maxsize=None)(
         lambda d: make(functools.partial(_spec_cycle, depth=d), 2, (tparams, dparams, st, row, row), cycle_out))
-    if plan.speculative and plan.spec.tree:
+    if plan.tree_mode:
         out.tree_cycle = make(_tree_cycle, 2, (tparams, dparams, st, row, rows2, row), cycle_out + (row,))
+    caps_spec, budget_spec = (rows2, row) if plan.tree_mode else (None, None)
+    out.block = functools.lru_cache(maxsize=None)(
+        lambda c: make(functools.partial(_block, cycles=c), (2, 3),
+                       (tparams, dparams, st, ls, P(), caps_spec, budget_spec), (st, ls, bo)))
+
+    def init(batch, target_dtype, draft_dtype):
+        def fn(key):
+            return _init_state(plan, batch, target_dtype, draft_dtype, 0).replace(rng=key)
+
+        if not mesh:
+            return _Program(jax.jit(fn))
+        return _Program(jax.jit(fn, out_shardings=sharding.named(state_specs(plan), plan.mesh)))
+
+    out.programs = SimpleNamespace(
+        prefill_chunk=_Program(out.prefill_chunk), start_decode=_Program(out.start_decode),
+        retrieve=_Program(out.retrieve), block=functools.lru_cache(maxsize=None)(lambda c: _Program(out.block(c))),
+        init=functools.lru_cache(maxsize=None)(init))
     return out
 
 
@@ -632,6 +1087,69 @@ def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> 
     return jax.jit(make, out_shardings=sharding.named(state_specs(plan), plan.mesh))()
 
 
+# ------------------------------------------------------------------------------------ compilation cache
+def compilation_cache_setting(environ=None) -> str | None:
+    """The directory :func:`enable_compilation_cache` points JAX's persistent compilation cache at: the value of
+    ``DIFFSPEC_COMPILATION_CACHE`` when it names a directory, ``None`` (off) when it is ``0`` / ``off`` / ``false``
+    / ``no``, else ``$XDG_CACHE_HOME/diffspec_jax/jax_cache`` (default ``~/.cache/diffspec_jax/jax_cache``)."""
+    env = os.environ if environ is None else environ
+    value = (env.get(COMPILATION_CACHE_ENV) or "").strip()
+    if value.lower() in ("0", "off", "false", "no", "none"):
+        return None
+    if value:
+        return os.path.abspath(os.path.expanduser(value))
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "diffspec_jax", "jax_cache")
+
+
+@functools.lru_cache(maxsize=1)
+def _jax_cache_config_before() -> tuple[str | None, float]:
+    """JAX's cache directory and minimum compile time as the first :func:`generate` call found them."""
+    return jax.config.jax_compilation_cache_dir, float(jax.config.jax_persistent_cache_min_compile_time_secs)
+
+
+def enable_compilation_cache() -> str | None:
+    """Point JAX's persistent compilation cache at :func:`compilation_cache_setting` (every :func:`generate` call
+    runs this; it changes nothing once applied, and nothing at import time).
+
+    A cache directory the user configured for JAX itself (``jax_compilation_cache_dir`` set before the first
+    ``generate()`` call, or ``JAX_COMPILATION_CACHE_DIR``) is left alone. Otherwise programs that compile in at
+    least :data:`CACHE_MIN_COMPILE_SECS` are kept (JAX's own threshold, 1 s, if the user lowered it already, the
+    lower one), so a new process loads the engine's programs instead of compiling them again. Returns the
+    directory in use (``None``: no persistent cache).
+    """
+    user_dir, user_min = _jax_cache_config_before()
+    if user_dir is not None or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return jax.config.jax_compilation_cache_dir
+    want = compilation_cache_setting()
+    if jax.config.jax_compilation_cache_dir == want:
+        return want
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    jax.config.update("jax_compilation_cache_dir", want)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      min(user_min, CACHE_MIN_COMPILE_SECS) if want is not None else user_min)
+    cc.reset_cache()  # the cache object is created once per directory: let the next compilation open the new one
+    return want
+
+
+# --------------------------------------------------------------------------------------------- capacity
+def capacity_bucket(need: int, limit: int | None = None) -> int:
+    """The cache capacity for ``need`` positions: ``need`` rounded up to a quarter-octave step ``2^n x {1, 1.25,
+    1.5, 1.75}`` (at least one attention tile, a whole number of tiles), so nearby prompt lengths share compiled
+    programs (up to 25% more cache memory, about 12% on average; pass ``max_cache_len`` to pin the capacity);
+    never above ``limit`` (what the context window and the verify block can use) unless ``need`` itself is."""
+    if need <= ATTENTION_TILE:
+        width = ATTENTION_TILE
+    else:
+        step = (1 << (need - 1).bit_length()) // 8  # a quarter of the octave below the next power of two
+        width = -(-need // step) * step
+    width = round_capacity(width)
+    if limit is not None:
+        width = min(width, max(round_capacity(need), round_capacity(limit)))
+    return width
+
+
 # ------------------------------------------------------------------------------------------- host side
 class _RetrievalControl(RetrievalControl):
     """The engine's view: one counter set per prompt, reported as ``{"aggregate", "per_sequence"}``."""
@@ -640,20 +1158,32 @@ class _RetrievalControl(RetrievalControl):
         idx = list(range(len(self.c) if real is None else real))
         return {"aggregate": self.aggregate(idx), "per_sequence": [self.c[i].report() for i in idx]}
 
+    def device_cadence(self, seqs: np.ndarray, num_chunks: int) -> dict[str, np.ndarray]:
+        """The counters of sequences ``seqs`` as :class:`Cadence` arrays (the device loop's starting point)."""
+        cs = [self.c[s] for s in seqs]
+        col = lambda f: np.array([int(f(c)) for c in cs], np.int32)  # noqa: E731
+        selected = np.zeros((len(cs), num_chunks), bool)
+        for r, c in enumerate(cs):
+            selected[r, list(c._selected or ())] = True
+        return dict(since=col(lambda c: c._since), interval=col(lambda c: c.interval),
+                    accept_sum=col(lambda c: c._accept_sum), accept_n=col(lambda c: c._accept_n),
+                    prev_sum=col(lambda c: c._prev_sum), prev_n=col(lambda c: c._prev_n), selected=selected)
+
 
 class _ShapeControl:
-    """Host side of the draft's shape per sequence: adaptive chain depth, or the tree's branching caps and node
-    budget (:mod:`diffspec_jax.adaptive`); picks the compiled cycle and feeds it per-row inputs."""
+    """Host side of the draft's shape per sequence (:mod:`diffspec_jax.adaptive`).
+
+    Tree mode: the branching caps and node budget are kept here (their statistics are floats the device does not
+    mirror); they are a block's inputs (:meth:`block_inputs`) and learn from each block's per-cycle record
+    (:meth:`observe`). Adaptive chain depth: decided on the device (:class:`DepthControl`); the host controllers
+    replay the record, check that they would have chosen the same depths, and give the report.
+    """
 
     def __init__(self, plan: Plan, lengths: np.ndarray):
         spec, n = plan.spec, len(lengths)
         self.k, self.nodes = plan.k, spec.diffspec_max_tree_nodes
-        self.tree = plan.speculative and spec.tree
+        self.tree = plan.tree_mode
         self.adaptive = plan.speculative and spec.diffspec_adaptive_profile
-        self.histogram = [0] * (self.k + 1)
-        self.drafted = 0
-        self.tree_nodes = 0
-        self._size = self._depths = None
         if self.tree:
             self.caps = [adaptive.make_caps_controller(spec.diffspec_tree_branching, self.k, spec.diffspec_tree_topk)
                          for _ in range(n)]
@@ -665,39 +1195,35 @@ class _ShapeControl:
             for d, length in zip(self.depth, lengths):
                 d.start(int(length))
 
-    def run(self, fns, tparams, dparams, state, live: np.ndarray, rows: np.ndarray):
-        """One cycle of the right compiled kind; returns ``(state, emitted, m, n, window)``."""
-        act = jnp.asarray(live)
-        if self.tree:
-            caps = np.stack([self.caps[s].caps() for s in rows]).astype(np.int32)
-            budget = np.array([self.nodes if self.budget[s] is None else self.budget[s].budget for s in rows],
-                              np.int32)
-            state, emitted, m, n, window, size = fns.tree_cycle(tparams, dparams, state, act, jnp.asarray(caps),
-                                                                jnp.asarray(budget))
-            self._size = np.asarray(size)
-            return state, emitted, m, n, window
-        if self.adaptive:
-            self._depths = np.array([self.depth[s].depth for s in rows], np.int32)
-            top = int(self._depths[live].max()) if live.any() else self.k
-            return fns.cycle_at(top)(tparams, dparams, state, act, jnp.asarray(self._depths))
-        return fns.cycle(tparams, dparams, state, act)
+    def device_depth(self, seqs: np.ndarray) -> dict[str, np.ndarray] | None:
+        """The adaptive depths of sequences ``seqs`` as :class:`DepthControl` arrays (``None``: not adaptive)."""
+        if self.tree or not self.adaptive:
+            return None
+        zero = np.zeros(len(seqs), np.int32)
+        return dict(depth=np.array([self.depth[s].depth for s in seqs], np.int32),
+                    floor=np.array([self.depth[s].floor for s in seqs], np.int32), good=zero, bad=zero.copy())
 
-    def observe(self, row: int, seq: int, m: int, length: int) -> None:
-        """Book sequence ``seq``'s verification (device row ``row``): ``m`` accepted drafts, committed ``length``."""
-        if not self.k:
-            return
-        self.histogram[m] += 1
+    def block_inputs(self, seqs: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Tree mode: the caps int32 ``[B, K]`` and node budgets int32 ``[B]`` of rows ``seqs`` for the next block."""
+        if not self.tree:
+            return None, None
+        caps = np.stack([self.caps[s].caps() for s in seqs]).astype(np.int32)
+        budget = np.array([self.nodes if self.budget[s] is None else self.budget[s].budget for s in seqs], np.int32)
+        return caps, budget
+
+    def observe(self, seq: int, m: int, length: int, depth: int | None) -> None:
+        """Book sequence ``seq``'s verification: ``m`` accepted drafts, committed ``length``, drafted at ``depth``
+        (adaptive chain depth: what the device chose, checked against the host controller)."""
         if self.tree:
             self.caps[seq].record(m)
             if self.budget[seq] is not None:
                 self.budget[seq].observe(m)
-            self.tree_nodes += int(self._size[row])
-            self.drafted += int(self._size[row])
         elif self.adaptive:
-            self.drafted += int(self._depths[row])
-            self.depth[seq].observe(m + 1, length)
-        else:
-            self.drafted += self.k
+            d = self.depth[seq]
+            if depth != d.depth:
+                raise RuntimeError(f"the device drafted sequence {seq} at depth {depth}, its host controller says "
+                                   f"{d.depth}: the on-device adaptive depth diverged (a bug)")
+            d.observe(m + 1, length)
 
     def report(self, real: int) -> dict[str, Any] | None:
         if self.tree:
@@ -721,6 +1247,22 @@ class GenerateStats:
     drafted tokens that could be accepted (chain depth, or tree nodes); ``mean_tree_size`` is the mean number of
     tree nodes per verification (tree mode); ``drafting`` holds the per-sequence controllers' final state
     (adaptive depth, or the tree's branching profile and node budget).
+
+    Times (seconds, compilation excluded from all but ``compile_s``): ``compile_s`` is the time this call spent
+    compiling programs (tracing, lowering and XLA compilation, or loading them from the persistent cache; 0 when
+    every program was already compiled in this process); ``ttft_s`` runs from the call to the first generated
+    token being on the host; ``prefill_s`` covers the cache set-up, the prefill, the first token and the
+    retrieval after prefill; ``decode_s`` the device loop until the last token; ``decode_tokens_per_s`` is the
+    tokens decoded after the first one per second of ``decode_s``.
+
+    Device loop: ``block_cycles`` cycles at most per block, ``blocks`` blocks dispatched, ``host_syncs`` reads of
+    results by the host (the first token, the retrieval after prefill, one per block read); ``cache_capacity`` is
+    the cache positions per sequence (:func:`capacity_bucket`).
+
+    ``retrieval`` (DiffSpec) holds the ``retrieval_status`` counters; their ``retrieval_ms`` is the wall time of a
+    standalone retrieval call (the one after prefill, or a probe that changes nothing when none ran), booked for
+    every retrieval call inside the device loop and split over the sequences it served, as the time of each call
+    was split before the loop moved onto the device.
     """
 
     num_sequences: int = 0
@@ -738,9 +1280,15 @@ class GenerateStats:
     accepted_depth_histogram: list[int] = field(default_factory=list)
     mean_tree_size: float | None = None
     drafting: dict[str, Any] | None = None
+    compile_s: float = 0.0
+    ttft_s: float | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_tokens_per_s: float | None = None
+    block_cycles: int = 0
+    blocks: int = 0
+    host_syncs: int = 0
+    cache_capacity: int = 0
     retrieval: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -756,13 +1304,16 @@ class GenerateResult:
 
 
 def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: SpecConfig,
-              sampling: SamplingConfig) -> list[list[int]]:
+              sampling: SamplingConfig, block_cycles) -> list[list[int]]:
     if not isinstance(spec, SpecConfig):
         raise ConfigError(f"spec must be a SpecConfig, got {type(spec).__name__}")
     if not isinstance(sampling, SamplingConfig):
         raise ConfigError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if block_cycles is not None and (isinstance(block_cycles, bool) or not isinstance(block_cycles, (int, np.integer))
+                                     or block_cycles < 1):
+        raise ConfigError(f"block_cycles must be an integer >= 1 (or None for the default), got {block_cycles!r}")
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise InputError("prompts must be a non-empty list of token-id lists")
     out = []
@@ -784,11 +1335,49 @@ def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: Sp
     return out
 
 
+def _put(plan: Plan, tree, specs):
+    """Host arrays onto the device, laid out by ``specs`` when the plan has a mesh."""
+    if plan.mesh is None:
+        return jax.tree_util.tree_map(jnp.asarray, tree)
+    return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(plan.mesh, s)), tree, specs)
+
+
+def _stop_ids(stops: set[int]) -> np.ndarray:
+    """Stop ids as int32 ``[S]`` padded with -1 to a multiple of :data:`STOP_IDS_MULTIPLE` (at least one)."""
+    ids = sorted(int(s) for s in stops)
+    size = max(1, -(-len(ids) // STOP_IDS_MULTIPLE)) * STOP_IDS_MULTIPLE
+    return np.array(ids + [-1] * (size - len(ids)), np.int32)
+
+
+class _Output:
+    """The host's copy of the generated tokens: per-sequence lists, done flags, streaming and the progress bar."""
+
+    def __init__(self, batch: int, real: int, max_new_tokens: int, stops: set[int], on_tokens, bar):
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.done = np.arange(batch) >= real
+        self.max_new, self.stops, self.on_tokens, self.bar = max_new_tokens, stops, on_tokens, bar
+
+    def first(self, seq: int, tok: int) -> None:
+        """The prefill's token of sequence ``seq``, which may end it already."""
+        self.add(seq, [tok])
+        self.done[seq] = tok in self.stops or self.max_new <= 1
+
+    def add(self, seq: int, toks: list[int]) -> None:
+        if not toks:
+            return
+        self.tokens[seq].extend(toks)
+        if self.on_tokens is not None:
+            self.on_tokens(seq, toks)
+        if self.bar is not None:
+            self.bar.update(len(toks))
+
+
 def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
              spec: SpecConfig = SpecConfig(), sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
              stop_token_ids: Sequence[int] | None = None, max_cache_len: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_tokens: Callable[[int, list[int]], None] | None = None,
-             progress: bool = False, proposer: Callable | None = None, mesh: Mesh | None = None) -> GenerateResult:
+             progress: bool = False, proposer: Callable | None = None, mesh: Mesh | None = None,
+             block_cycles: int | None = None) -> GenerateResult:
     """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
 
     Args:
@@ -800,18 +1389,27 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         seed: sampling seed.
         stop_token_ids: generation of a sequence stops after one of these (default: the target's EOS ids;
             ``()`` never stops early).
-        max_cache_len: cache capacity per sequence (default: the longest prompt + max_new_tokens + K + 1).
-        on_tokens: called as ``on_tokens(i, new_ids)`` whenever prompt i gains tokens (streaming).
-        progress: show a progress bar on stderr.
+        max_cache_len: cache capacity per sequence (default: the longest prompt + max_new_tokens + K + 1, rounded
+            up to a coarse bucket, :func:`capacity_bucket`, so that nearby prompt lengths reuse the compiled
+            programs).
+        on_tokens: called as ``on_tokens(i, new_ids)`` whenever prompt i gains tokens (streaming: once per
+            prompt for the first token, then once per block and prompt).
+        progress: show a progress bar on stderr (updated once per block).
         proposer: a custom draft function with the signature of :func:`draft_propose` (tests use an oracle).
         mesh: a ``("dp", "tp")`` mesh from :func:`diffspec_jax.make_mesh` for tensor (and data) parallelism;
             the draft is sharded like the target or replicated per ``spec.draft_tensor_parallel_size``.
+        block_cycles: decode cycles per device-loop dispatch; the host reads results, streams and updates its
+            controllers once per block. Default :data:`DEFAULT_BLOCK_CYCLES` (16): streaming latency of at most
+            16 cycles. Tree mode with ``hazard`` branching or the adaptive node budget defaults to 1 (those host
+            controllers then change the tree shape every cycle, as they learn); an explicit value there keeps
+            the shape fixed within a block.
     Returns:
         :class:`GenerateResult` with ``.tokens`` and ``.stats``.
     Raises:
         InputError / ConfigError for bad input (empty prompt, prompt longer than the cache, ...).
     """
-    prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling)
+    t_call = time.perf_counter()
+    prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling, block_cycles)
     tc = target.config
     speculative = draft is not None or proposer is not None
     if proposer is not None and spec.tree:
@@ -838,28 +1436,41 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         if draft_tp not in (1, tp):
             raise ConfigError(f"draft_tensor_parallel_size must be 1 (replicated draft) or the target's tp={tp}, "
                               f"got {draft_tp}")
+    capacity = (round_capacity(max_cache_len) if max_cache_len is not None
+                else capacity_bucket(need, tc.max_position_embeddings + k_block + 1))
     plan = Plan(target=tc, draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
-                aux_layers=draft.aux_layers if draft is not None else (),
-                capacity=round_capacity(max_cache_len or need), proposer=proposer, mesh=mesh, draft_tp=draft_tp,
-                kernels=dispatch.kernel_backend())
+                aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
+                mesh=mesh, draft_tp=draft_tp, kernels=dispatch.kernel_backend())
+    enable_compilation_cache()
     stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
     tparams, dparams = prepare_params(target, draft, mesh, draft_tp)
     fns = compiled(plan, param_spec_key(tparams) if mesh is not None else None,
                    param_spec_key(dparams) if mesh is not None else None)
+    progs = fns.programs
     real = len(prompts)
     if plan.dp > 1 and real % plan.dp:  # pad the batch to a multiple of the data-parallel axis with dummy rows
         prompts = prompts + [prompts[0]] * (plan.dp - real % plan.dp)
         lengths = np.array([len(p) for p in prompts], np.int32)
     batch = len(prompts)
+    cycles = block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
     stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
                           draft_context_policy=spec.draft_context_policy if draft is not None else None,
-                          acceptance_per_position=[0] * k)
+                          verification_mode="tree" if plan.tree_mode else "linear" if speculative else None,
+                          block_cycles=int(cycles), cache_capacity=capacity)
     ctl = _RetrievalControl(spec, batch) if plan.diffspec else None
     shape = _ShapeControl(plan, lengths)
-    stats.verification_mode = "tree" if shape.tree else "linear" if speculative else None
+    clock = _CompileClock()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
 
+        bar = tqdm(total=real * max_new_tokens, unit="tok", leave=False)
+    out = _Output(batch, real, max_new_tokens, stops, on_tokens, bar)
+
+    # ---- prefill, the first token, the retrieval after prefill
     t0 = time.perf_counter()
-    state = init_state(plan, batch, target.dtype, dparams["fc"].dtype if dparams else target.dtype, seed)
+    ddtype = dparams["fc"].dtype if dparams else target.dtype
+    state = progs.init(batch, target.dtype, ddtype)(clock, jax.random.PRNGKey(seed))
     width, n_chunks = plan_prefill(lengths, prefill_chunk)
     tokens = pad_prompts(prompts, width * n_chunks + 1)
     acc = _PrefillAcc(logits=jnp.zeros((batch, tc.vocab_size), jnp.float32),
@@ -869,86 +1480,78 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     jl = jnp.asarray(lengths)
     for c in range(n_chunks):
         s = c * width
-        state, acc = fns.prefill_chunk(tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
-                                       jnp.asarray(tokens[:, s + 1:s + width + 1]),
-                                       jnp.full((batch,), s, jnp.int32), jl)
-    state, first = fns.start_decode(state, acc, jl)
+        state, acc = progs.prefill_chunk(clock, tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
+                                         jnp.asarray(tokens[:, s + 1:s + width + 1]),
+                                         jnp.full((batch,), s, jnp.int32), jl)
+    state, first = progs.start_decode(clock, state, acc, jl)
     first = np.asarray(first)
-    out: list[list[int]] = [[] for _ in range(batch)]
-    done = np.arange(batch) >= real
-    host_len = lengths.astype(np.int64).copy()
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=real * max_new_tokens, unit="tok", leave=False)
-
-    def emit(seq: int, toks) -> None:
-        added = []
-        for t in toks:
-            if done[seq]:
-                break
-            out[seq].append(int(t))
-            added.append(int(t))
-            if int(t) in stops or len(out[seq]) >= max_new_tokens:
-                done[seq] = True
-        if added:
-            if on_tokens is not None:
-                on_tokens(seq, added)
-            if bar is not None:
-                bar.update(len(added))
-
+    stats.host_syncs += 1
+    stats.ttft_s = time.perf_counter() - t_call - clock.seconds
     for b in range(real):
-        emit(b, [first[b]])
+        out.first(b, int(first[b]))
+    call_ms = None
     if ctl is not None:
-        state = _retrieve_after_prefill(plan, fns, ctl, tparams, dparams, state, host_len, real)
+        state, call_ms = _retrieve_after_prefill(plan, progs, clock, ctl, tparams, dparams, state, lengths, real)
+        stats.host_syncs += 1
     jax.block_until_ready(state.length)
-    stats.prefill_s = time.perf_counter() - t0
+    stats.prefill_s = time.perf_counter() - t0 - clock.seconds
 
+    # ---- the device loop, one block in flight ahead of the one the host reads
+    compile_before = clock.seconds
     t1 = time.perf_counter()
     rows = np.arange(batch)  # device row -> sequence
+    loop = _put(plan, _loop_init(plan, ctl, shape, out, rows, real, max_new_tokens), loop_specs(plan))
+    stop_arr = _put(plan, _stop_ids(stops), P())
+    program = progs.block(int(cycles))
+    ahead = 1 if plan.host_shaped and cycles == 1 else 2  # blocks in flight: 1 when a block's inputs need the last
+    pending: collections.deque = collections.deque()
     seq_cycles, seq_accepted = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
-    while not done.all():
-        live = ~done[rows]
-        size = 1 << (int(live.sum()) - 1).bit_length()
-        size = -(-size // plan.dp) * plan.dp
-        if size <= len(rows) // 2:  # compact: finished sequences stop costing work
-            keep = rows[live]
-            fill = [r for r in range(len(rows)) if not live[r]][: size - len(keep)]
-            order = np.concatenate([np.nonzero(live)[0], np.array(fill, np.int64)]).astype(np.int64)
-            state = state.take(order)
-            rows = rows[order]
-            live = ~done[rows]
-        state, emitted, m, n, window = shape.run(fns, tparams, dparams, state, live, rows)
-        emitted, m, n, window = (np.asarray(x) for x in (emitted, m, n, window))
-        stats.cycles += 1
-        due = np.zeros(len(rows), bool)
-        for r, seq in enumerate(rows):
-            if not live[r]:
-                continue
-            seq_cycles[seq] += 1
-            if k:
-                seq_accepted[seq] += int(m[r])
-                for i in range(int(m[r])):
-                    stats.acceptance_per_position[i] += 1
-            host_len[seq] += int(m[r]) + 1
-            shape.observe(r, seq, int(m[r]), int(host_len[seq]))
-            emit(seq, emitted[r, : int(m[r]) + 1])
-            if ctl is not None:
-                ctl.observe(seq, emitted=int(m[r]) + 1, working_len=int(n[r]), window=int(window[r]))
-                due[r] = ctl.due(seq, int(host_len[seq]) - 1)
-        if ctl is not None and due.any():
-            state = _timed_retrieve(fns, ctl, tparams, dparams, state, due, rows, host_len, after_prefill=False)
-    jax.block_until_ready(state.length)
-    stats.decode_s = time.perf_counter() - t1
+    drafted, hist = np.zeros(batch, np.int64), np.zeros(plan.k + 1, np.int64)
+    host_len = lengths.astype(np.int64).copy()
+    tree_specs = (P(sharding.DP if plan.dp > 1 else None, None), P(sharding.DP if plan.dp > 1 else None))
+    while not out.done.all():
+        while len(pending) < ahead:
+            caps, budget = shape.block_inputs(rows)
+            if caps is not None:
+                caps, budget = _put(plan, (caps, budget), tree_specs)
+            state, loop, res = program(clock, tparams, dparams, state, loop, stop_arr, caps, budget)
+            stats.blocks += 1
+            pending.append((res, rows))
+        res, used = pending.popleft()
+        res = jax.device_get(res)
+        stats.host_syncs += 1
+        stats.cycles += int(res.steps)
+        for r, seq in enumerate(used):
+            seq_cycles[seq] += int(res.cycles[r])
+            seq_accepted[seq] += int(res.accepted[r])
+            drafted[seq] += int(res.drafted[r])
+            out.add(seq, res.tokens[r, : int(res.new[r])].tolist())
+            out.done[seq] = out.done[seq] or bool(res.done[r])
+        hist += res.hist.sum(axis=0)
+        if res.record is not None:
+            _replay(res.record, int(res.steps), used, host_len, shape, ctl, call_ms)
+        live = ~out.done[rows]
+        if live.any():  # compact: finished sequences stop costing work (the next dispatch runs the smaller batch)
+            size = 1 << (int(live.sum()) - 1).bit_length()
+            size = -(-size // plan.dp) * plan.dp
+            if size <= len(rows) // 2:
+                fill = np.nonzero(~live)[0][: size - int(live.sum())]
+                order = np.concatenate([np.nonzero(live)[0], fill]).astype(np.int64)
+                state, loop = state.take(order), loop.take(order)
+                rows = rows[order]
+    # blocks still in flight started after every sequence had finished: they ran no cycle
+    jax.block_until_ready((state.length, loop.done))
+    stats.decode_s = time.perf_counter() - t1 - (clock.seconds - compile_before)
+    stats.compile_s = clock.seconds
     if bar is not None:
         bar.close()
-    stats.new_tokens = sum(len(o) for o in out)
+    stats.new_tokens = sum(len(o) for o in out.tokens)
     stats.sequence_cycles, stats.accepted_tokens = int(seq_cycles.sum()), int(seq_accepted.sum())
-    stats.drafted_tokens = shape.drafted
-    stats.accepted_depth_histogram = shape.histogram
-    stats.mean_tree_size = shape.tree_nodes / stats.sequence_cycles if shape.tree and stats.sequence_cycles else None
+    stats.drafted_tokens = int(drafted.sum())
+    stats.accepted_depth_histogram = [int(x) for x in hist]
+    stats.acceptance_per_position = [int(hist[i + 1:].sum()) for i in range(k)]
+    stats.mean_tree_size = stats.drafted_tokens / stats.sequence_cycles if plan.tree_mode and stats.sequence_cycles \
+        else None
     stats.drafting = shape.report(real)
     if stats.sequence_cycles:
         stats.mean_acceptance_length = (stats.accepted_tokens + stats.sequence_cycles) / stats.sequence_cycles
@@ -958,7 +1561,43 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     stats.decode_tokens_per_s = decoded / stats.decode_s if stats.decode_s > 0 and decoded > 0 else None
     if ctl is not None:
         stats.retrieval = ctl.status(real)
-    return GenerateResult(tokens=out[:real], stats=stats)
+    return GenerateResult(tokens=out.tokens[:real], stats=stats)
+
+
+def _loop_init(plan: Plan, ctl, shape: _ShapeControl, out: _Output, rows: np.ndarray, real: int,
+               max_new_tokens: int) -> LoopState:
+    """The :class:`LoopState` of rows ``rows`` after prefill, as host arrays (rows >= ``real`` are padding)."""
+    cad = depth = None
+    if ctl is not None:
+        cad = Cadence(**ctl.device_cadence(rows, plan.num_chunks))
+    d = shape.device_depth(rows)
+    if d is not None:
+        depth = DepthControl(**d)
+    return LoopState(done=out.done[rows].copy(), count=np.array([len(out.tokens[s]) for s in rows], np.int32),
+                     limit=np.where(rows < real, max_new_tokens, 0).astype(np.int32), cadence=cad, depth=depth)
+
+
+def _replay(rec: CycleRecord, steps: int, rows: np.ndarray, host_len: np.ndarray, shape: _ShapeControl, ctl,
+            call_ms: float | None) -> None:
+    """Feed a block's per-cycle record to the host controllers, cycle by cycle as the device decided (the retrieval
+    counters check every due decision against their own)."""
+    for c in range(steps):
+        due_rows = []
+        for r in np.nonzero(rec.live[c])[0]:
+            seq, m = int(rows[r]), int(rec.m[c, r])
+            host_len[seq] += m + 1
+            shape.observe(seq, m, int(host_len[seq]), None if rec.depth is None else int(rec.depth[c, r]))
+            if ctl is not None:
+                ctl.observe(seq, emitted=m + 1, working_len=int(rec.n[c, r]), window=int(rec.window[c, r]))
+                due = ctl.due(seq, int(host_len[seq]) - 1)
+                if due != bool(rec.due[c, r]):
+                    raise RuntimeError(f"sequence {seq}: the device loop's retrieval cadence (due={not due}) and its "
+                                       f"host controller (due={due}) diverged (a bug)")
+                if due:
+                    due_rows.append(r)
+        for r in due_rows:
+            seq = int(rows[r])
+            ctl.record(seq, rec.anchors[:, c, r], int(host_len[seq]) - 1, (call_ms or 0.0) / len(due_rows), False)
 
 
 def prepare_params(target: TargetModel, draft, mesh: Mesh | None, draft_tp: int = 1):
@@ -970,24 +1609,32 @@ def prepare_params(target: TargetModel, draft, mesh: Mesh | None, draft_tp: int 
     return tparams, sharding.prepare(draft, mesh, draft_tp) if draft is not None else None
 
 
-def _timed_retrieve(fns, ctl, tparams, dparams, state, mask, rows, host_len, *, after_prefill):
-    t = time.perf_counter()
-    state, anchors = fns.retrieve(tparams, dparams, state, jnp.asarray(mask))
+def _timed_retrieve(progs, clock, ctl, tparams, dparams, state, mask, lengths, *, after_prefill):
+    """One standalone retrieval for the rows in ``mask``; returns ``(state, wall ms of the call)`` (compile
+    excluded) and books it, split over the rows."""
+    before, t = clock.seconds, time.perf_counter()
+    state, anchors = progs.retrieve(clock, tparams, dparams, state, jnp.asarray(mask))
     anchors = np.asarray(anchors)  # [ranks, B, A]: every tensor-parallel rank's selection
-    ms = (time.perf_counter() - t) * 1e3 / max(1, int(mask.sum()))
+    ms = (time.perf_counter() - t - (clock.seconds - before)) * 1e3
     for r in np.nonzero(mask)[0]:
-        ctl.record(int(rows[r]), anchors[:, r], int(host_len[rows[r]]) - 1, ms, after_prefill)
-    return state
+        ctl.record(int(r), anchors[:, r], int(lengths[r]) - 1, ms / int(mask.sum()), after_prefill)
+    return state, ms
 
 
-def _retrieve_after_prefill(plan, fns, ctl, tparams, dparams, state, host_len, real):
-    """DiffSpec's retrieval right after prefill, from the last prompt position's query (when switched on)."""
-    if not plan.spec.diffspec_retrieve_after_prefill:
+def _retrieve_after_prefill(plan, progs, clock, ctl, tparams, dparams, state, lengths, real):
+    """DiffSpec's retrieval right after prefill, from the last prompt position's query (when switched on). Returns
+    ``(state, ms)``: the wall time of a standalone retrieval call, timed on this one, or on a probe that selects
+    for no row (nothing changes) when no row retrieves now."""
+    b = len(lengths)
+    mask = np.zeros(b, bool)
+    if plan.spec.diffspec_retrieve_after_prefill:
+        mask = np.array([i < real and not ctl.fits(int(lengths[i]) - 1) for i in range(b)])
+    else:
         for i in range(real):
             ctl.skip_prefill(i)
-        return state
-    mask = np.array([b < real and not ctl.fits(int(host_len[b]) - 1) for b in range(len(host_len))])
     if mask.any():
-        state = _timed_retrieve(fns, ctl, tparams, dparams, state, mask, np.arange(len(host_len)), host_len,
-                                after_prefill=True)
-    return state
+        return _timed_retrieve(progs, clock, ctl, tparams, dparams, state, mask, lengths, after_prefill=True)
+    before, t = clock.seconds, time.perf_counter()
+    state, anchors = progs.retrieve(clock, tparams, dparams, state, jnp.asarray(mask))
+    np.asarray(anchors)
+    return state, (time.perf_counter() - t - (clock.seconds - before)) * 1e3

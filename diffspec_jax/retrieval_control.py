@@ -2,7 +2,10 @@
 
 Per sequence (or request slot): the verification-cycle cadence with its adaptive interval (DIFFSPEC.md section 4)
 and the ``retrieval_status`` counters (section 11). Decisions are plain Python on the single controller, so every
-tensor-parallel rank acts on the same decision.
+tensor-parallel rank acts on the same decision. The JAX engine makes the same decisions on the device (its decode
+loop keeps an integer mirror of this cadence) and replays them here for the counters; both agree exactly because
+every threshold test is exact: the Jaccard overlap and the acceptance period are ratios of integers compared with
+decimal constants (:func:`ratio`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -19,6 +23,15 @@ from diffspec_jax.config import SpecConfig
 ADAPTIVE_MAX_INTERVAL = 32
 ADAPTIVE_JACCARD = 0.9
 ADAPTIVE_ACCEPT_FACTOR = 0.9
+
+
+def ratio(x: float) -> tuple[int, int]:
+    """A decimal constant as the exact fraction it is written as, ``(numerator, denominator)``: ``0.9 -> (9, 10)``
+    (integer tests against it, like the JAX engine's on-device cadence, agree with this module exactly)."""
+    f = Fraction(str(x))
+    return f.numerator, f.denominator
+
+
 #: counters that add up over sequences
 ADDITIVE = ("cycles", "retrievals", "retrievals_after_prefill", "skipped_prefill", "skipped_not_due", "skipped_fits")
 
@@ -47,6 +60,8 @@ class RetrievalCounters:
     _accept_sum: float = 0.0
     _accept_n: int = 0
     _prev_period: float | None = None
+    _prev_sum: float = 0.0
+    _prev_n: int = 0
     _selected: tuple[int, ...] | None = None
 
     def report(self) -> dict[str, Any]:
@@ -124,11 +139,14 @@ class RetrievalControl:
         if spec.diffspec_adaptive_profile and not after_prefill:
             period = c._accept_sum / c._accept_n if c._accept_n else None
             stable = c.last_jaccard is not None and c.last_jaccard >= ADAPTIVE_JACCARD
-            holds = period is not None and c._prev_period is not None and period >= ADAPTIVE_ACCEPT_FACTOR * \
-                c._prev_period
+            # period >= 0.9 x the previous period, compared exactly (sums over counts as fractions): a float test
+            # could round either way at an exact tie
+            num, den = ratio(ADAPTIVE_ACCEPT_FACTOR)
+            holds = period is not None and c._prev_period is not None and \
+                Fraction(c._accept_sum) * c._prev_n * den >= Fraction(c._prev_sum) * c._accept_n * num
             c.interval = min(2 * c.interval, ADAPTIVE_MAX_INTERVAL) if stable and holds else \
                 spec.diffspec_retrieval_interval
-            c._prev_period = period
+            c._prev_period, c._prev_sum, c._prev_n = period, c._accept_sum, c._accept_n
         c._accept_sum, c._accept_n = 0.0, 0
         c._selected = selected
 
