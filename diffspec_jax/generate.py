@@ -164,9 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         mesh = make_mesh(args.tp) if args.tp > 1 else None
         kwargs = dict(max_new_tokens=args.max_new_tokens, spec=spec, sampling=sampling, seed=args.seed,
                       stop_token_ids=() if args.ignore_eos else None, mesh=mesh)
+        warmup = []
         if args.compare:  # compile both paths first, so the timed runs below measure decoding only
-            engine.generate(target, draft, [prompt], **kwargs)
-            engine.generate(target, None, [prompt], **kwargs)
+            warmup = [engine.generate(target, draft, [prompt], **kwargs),
+                      engine.generate(target, None, [prompt], **kwargs)]
         result = engine.generate(target, draft, [prompt], on_tokens=stream,
                                  progress=not (args.json or args.no_progress), **kwargs)
         stream.close()
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["divergence"] = divergence(target, prompt, base.tokens[0], result.tokens[0])
             if base.stats.decode_tokens_per_s and result.stats.decode_tokens_per_s:
                 report["decode_speedup"] = result.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s
+        # compilation of every run (the warm-up runs of --compare compile what the timed runs then reuse)
+        report["compile_s"] = sum(r.stats.compile_s for r in warmup + [result] + ([base] if args.compare else []))
     except (DiffspecError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -254,8 +257,10 @@ class _Streamer:
 
 def _print_summary(report: dict) -> None:
     s = report["stats"]
-    lines = [f"new tokens {s['new_tokens']}, prefill {s['prefill_s']:.3f}s, decode {s['decode_s']:.3f}s"
-             + (f" ({s['decode_tokens_per_s']:.1f} tok/s)" if s["decode_tokens_per_s"] else "")]
+    rate = f" ({s['decode_tokens_per_s']:.1f} tok/s)" if s["decode_tokens_per_s"] else ""
+    lines = [f"new tokens {s['new_tokens']}, time to first token {s['ttft_s']:.3f}s, prefill {s['prefill_s']:.3f}s, "
+             f"decode {s['decode_s']:.3f}s{rate}; compilation {report.get('compile_s', s['compile_s']):.2f}s (not in "
+             f"those times)"]
     if s["num_speculative_tokens"]:
         lines.append(f"policy {s['draft_context_policy']}, K={s['num_speculative_tokens']}, cycles "
                      f"{s['sequence_cycles']}, mean acceptance length {s['mean_acceptance_length']:.2f}, "
