@@ -16,7 +16,6 @@ type, multi-head latent attention, quantized weights, attention biases, sliding 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 
 from diffspec_jax.adaptive import check_branching
 from diffspec_jax.errors import ConfigError, UnsupportedModelError
+from diffspec_jax.validation import _is_int, _is_real, _show, check_bool, check_int, check_real, read_json_object
 
 #: architecture name -> (model_type, has per-head q/k norm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool]] = {
@@ -63,14 +63,18 @@ class RopeConfig:
     interleaved: bool = False
 
     def __post_init__(self) -> None:
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+        if not isinstance(self.rope_type, str) or self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"rope type {self.rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
-        if not self.theta > 0:
-            raise ConfigError(f"rope_theta must be > 0, got {self.theta}")
-        if not 0.0 < self.partial_rotary_factor <= 1.0:
-            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if not _is_real(self.theta) or not math.isfinite(self.theta) or not self.theta > 0:
+            raise ConfigError(f"rope_theta must be a finite number > 0, got {_show(self.theta)}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            check_real(getattr(self, name), f"rope {name}")
+        check_int(self.original_max_position_embeddings, "rope original_max_position_embeddings", min=0)
+        check_bool(self.interleaved, "rope interleaved")
+        if not _is_real(self.partial_rotary_factor) or not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {_show(self.partial_rotary_factor)}")
         if self.rope_type == "llama3":
             if self.factor <= 0 or self.original_max_position_embeddings <= 0:
                 raise ConfigError("llama3 rope needs factor > 0 and original_max_position_embeddings > 0")
@@ -129,7 +133,7 @@ class RopeConfig:
 
 
 def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta: float = 10000.0,
-               default_partial: float = 1.0) -> RopeConfig:
+               default_partial: float = 1.0, source: str = "config.json") -> RopeConfig:
     """Build a :class:`RopeConfig` from a config dict in either the v5 or the v4 dialect."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
@@ -138,22 +142,26 @@ def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta
             raise UnsupportedModelError(f"per-layer-type rope_parameters {sorted(params)} are not supported")
         params = params["full_attention"]
     if not isinstance(params, dict) or not params:
-        params = dict(d.get("rope_scaling") or {})
+        scaling = d.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise ConfigError(f"{source}: rope_scaling must be a JSON object or null, got {_show(scaling)}")
+        params = dict(scaling or {})
         if "rope_theta" in d and d["rope_theta"] is not None:
             params.setdefault("rope_theta", d["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", d.get("rope_theta"))
-    theta = default_theta if theta is None else float(theta)
+    theta = default_theta if theta is None else _number(theta, "rope_theta", source)
     partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", default_partial)) or default_partial
-    kwargs: dict[str, Any] = dict(theta=theta, rope_type=rope_type, partial_rotary_factor=float(partial))
+    kwargs: dict[str, Any] = dict(theta=theta, rope_type=rope_type,
+                                  partial_rotary_factor=_number(partial, "partial_rotary_factor", source))
     if rope_type == "llama3":
         for key in ("factor", "low_freq_factor", "high_freq_factor"):
             if key not in params:
-                raise ConfigError(f"llama3 rope parameters lack {key!r}")
-            kwargs[key] = float(params[key])
-        kwargs["original_max_position_embeddings"] = int(
-            params.get("original_max_position_embeddings") or max_position_embeddings
-        )
+                raise ConfigError(f"{source}: llama3 rope parameters lack {key!r}")
+            kwargs[key] = _number(params[key], key, source)
+        kwargs["original_max_position_embeddings"] = _integer(
+            params.get("original_max_position_embeddings") or max_position_embeddings,
+            "original_max_position_embeddings", source)
     return RopeConfig(**kwargs)
 
 
@@ -169,6 +177,57 @@ def _require(d: dict[str, Any], key: str, where: str) -> Any:
     if d.get(key) is None:
         raise ConfigError(f"{where}: required key {key!r} is missing")
     return d[key]
+
+
+def _integer(value: Any, key: str, source: str) -> int:
+    """A config.json integer (an integral float such as ``4096.0`` too); a named error for anything else."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise ConfigError(f"{source}: {key} must be an integer, got {_show(value)}")
+    return int(value)
+
+
+def _number(value: Any, key: str, source: str) -> float:
+    """A config.json number (int or float, not a string or a bool); a named error for anything else."""
+    if not _is_real(value) or not math.isfinite(float(value)):
+        raise ConfigError(f"{source}: {key} must be a finite number, got {_show(value)}")
+    return float(value)
+
+
+def _req_int(d: dict[str, Any], key: str, source: str) -> int:
+    return _integer(_require(d, key, source), key, source)
+
+
+def _opt_int(d: dict[str, Any], key: str, source: str, default: Any) -> Any:
+    """``d[key]`` as an int; ``default`` when it is absent, null or 0 (as transformers' ``or`` defaults)."""
+    value = d.get(key)
+    return default if value is None or (_is_int(value) and value == 0) else _integer(value, key, source)
+
+
+def _opt_number(d: dict[str, Any], key: str, source: str, default: float) -> float:
+    value = d.get(key)
+    return default if value is None else _number(value, key, source)
+
+
+def _opt_bool(d: dict[str, Any], key: str, source: str, default: bool) -> bool:
+    value = d.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, got {_show(value)}")
+    return value
+
+
+def _token_ids(value: Any, key: str, source: str) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [] if value is None else [value]
+    return tuple(_integer(v, key, source) for v in values)
+
+
+def _check_dict(d: Any, source: str, what: str = "config.json") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{source}: {what} must be a JSON object {{...}}, got {_show(d)}")
+    return d
 
 
 @dataclass(frozen=True)
@@ -213,7 +272,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if not isinstance(self.architecture, str) or self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -225,8 +284,24 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not _is_real(self.rms_norm_eps) or not math.isfinite(self.rms_norm_eps) or not self.rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps must be > 0 (a finite number), got {_show(self.rms_norm_eps)}")
+        check_bool(self.tie_word_embeddings, "tie_word_embeddings")
+        if self.dtype is not None and not isinstance(self.dtype, str):
+            raise ConfigError(f"dtype must be a dtype name such as 'bfloat16' or None, got {_show(self.dtype)}")
+        check_int(self.bos_token_id, "bos_token_id", min=0, none_ok=True)
+        if not isinstance(self.eos_token_ids, tuple):
+            raise ConfigError(f"eos_token_ids must be a tuple of token ids, got {_show(self.eos_token_ids)}")
+        for e in self.eos_token_ids:
+            check_int(e, "eos_token_ids entry", min=0)
+        if not isinstance(self.rope, RopeConfig):
+            raise ConfigError(f"rope must be a RopeConfig, got {_show(self.rope)}")
+        if not isinstance(self.layer_types, tuple) or not all(isinstance(t, str) for t in self.layer_types):
+            raise ConfigError(f"layer_types must be a tuple of layer type names, got {_show(self.layer_types)}")
+        for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+                     "shared_expert_intermediate_size"):
+            check_int(getattr(self, name), name, min=0)
         self.rope.rotary_dim(self.head_dim)
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
@@ -328,7 +403,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
         """Parse a Hugging Face config dict (either dialect); refuse unsupported features by name."""
+        d = _check_dict(d, source)
         archs = d.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ConfigError(f"{source}: architectures must be a list of class names such as "
+                              f"[\"LlamaForCausalLM\"], got {_show(archs)}")
         if archs:
             arch = archs[0]
         else:
@@ -345,7 +424,7 @@ class ModelConfig:
         top = d
         if arch == "Qwen3_5MoeForConditionalGeneration":  # the text path of the multimodal wrapper
             if not isinstance(d.get("text_config"), dict):
-                raise ConfigError(f"{source}: {arch} needs a text_config")
+                raise ConfigError(f"{source}: {arch} needs a text_config (a JSON object)")
             d = d["text_config"]
         for cfg in (top, d):
             if cfg.get("quantization_config"):
@@ -365,6 +444,9 @@ class ModelConfig:
             raise UnsupportedModelError(f"{source}: sliding-window attention is not supported")
         hybrid = arch in QWEN35_ARCHITECTURES
         layer_types = d.get("layer_types")
+        if layer_types is not None and (not isinstance(layer_types, list)
+                                        or not all(isinstance(t, str) for t in layer_types)):
+            raise ConfigError(f"{source}: layer_types must be a list of layer type names, got {_show(layer_types)}")
         allowed = {FULL_ATTENTION, LINEAR_ATTENTION} if hybrid else {FULL_ATTENTION}
         if layer_types and any(t not in allowed for t in layer_types):
             raise UnsupportedModelError(
@@ -373,33 +455,34 @@ class ModelConfig:
         if d.get("pretraining_tp", 1) not in (1, None):
             raise UnsupportedModelError(f"{source}: pretraining_tp={d['pretraining_tp']} is not supported")
 
-        hidden = int(_require(d, "hidden_size", source))
-        heads = int(_require(d, "num_attention_heads", source))
-        max_pos = int(d.get("max_position_embeddings") or (32768 if hybrid else 8192))
-        eos = d.get("eos_token_id", top.get("eos_token_id"))
-        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        hidden = _req_int(d, "hidden_size", source)
+        heads = _req_int(d, "num_attention_heads", source)
+        if heads <= 0:
+            raise ConfigError(f"{source}: num_attention_heads must be a positive integer, got {heads}")
+        max_pos = _opt_int(d, "max_position_embeddings", source, 32768 if hybrid else 8192)
+        eos_ids = _token_ids(d.get("eos_token_id", top.get("eos_token_id")), "eos_token_id", source)
+        bos = d.get("bos_token_id", top.get("bos_token_id"))
         common = dict(
             architecture=arch,
-            vocab_size=int(_require(d, "vocab_size", source)),
+            vocab_size=_req_int(d, "vocab_size", source),
             hidden_size=hidden,
-            num_hidden_layers=int(_require(d, "num_hidden_layers", source)),
+            num_hidden_layers=_req_int(d, "num_hidden_layers", source),
             num_attention_heads=heads,
             max_position_embeddings=max_pos,
             dtype=d.get("dtype") or d.get("torch_dtype") or top.get("dtype") or top.get("torch_dtype"),
-            bos_token_id=d.get("bos_token_id", top.get("bos_token_id")),
+            bos_token_id=None if bos is None else _integer(bos, "bos_token_id", source),
             eos_token_ids=eos_ids,
         )
         if hybrid:
             return cls(**common, **_qwen35_fields(d, top, source, max_pos))
-        head_dim = d.get("head_dim") or (hidden // heads)
         return cls(
             **common,
-            intermediate_size=int(_require(d, "intermediate_size", source)),
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6 if arch == "Qwen3ForCausalLM" else 1e-5)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            rope=parse_rope(d, max_pos),
+            intermediate_size=_req_int(d, "intermediate_size", source),
+            num_key_value_heads=_opt_int(d, "num_key_value_heads", source, heads),
+            head_dim=_opt_int(d, "head_dim", source, hidden // heads),
+            rms_norm_eps=_opt_number(d, "rms_norm_eps", source, 1e-6 if arch == "Qwen3ForCausalLM" else 1e-5),
+            tie_word_embeddings=_opt_bool(d, "tie_word_embeddings", source, False),
+            rope=parse_rope(d, max_pos, source=source),
         )
 
     @classmethod
@@ -411,11 +494,7 @@ class ModelConfig:
             from diffspec_jax.errors import CheckpointError
 
             raise CheckpointError(f"no config.json found at {file}")
-        try:
-            data = json.loads(file.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{file}: not valid JSON ({exc})") from exc
-        return cls.from_dict(data, source=str(file))
+        return cls.from_dict(read_json_object(file), source=str(file))
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A transformers-v5 ``config.json`` dict that :meth:`from_dict` (and transformers) read back."""
@@ -488,28 +567,31 @@ def _qwen35_fields(d: dict[str, Any], top: dict[str, Any], source: str, max_pos:
         raise UnsupportedModelError(f"{source}: mlp_only_layers (dense MLP layers) are not supported")
     if d.get("decoder_sparse_step", 1) not in (1, None):
         raise UnsupportedModelError(f"{source}: decoder_sparse_step={d['decoder_sparse_step']} is not supported")
-    n = int(_require(d, "num_hidden_layers", source))
+    n = _req_int(d, "num_hidden_layers", source)
     layer_types = d.get("layer_types")
     if not layer_types:
-        interval = int(d.get("full_attention_interval") or 4)
+        interval = _opt_int(d, "full_attention_interval", source, 4)
+        if interval < 1:
+            raise ConfigError(f"{source}: full_attention_interval must be a positive integer, got {interval}")
         layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n)]
     tie = top.get("tie_word_embeddings", d.get("tie_word_embeddings", False))
+    tie = _opt_bool({"tie_word_embeddings": tie}, "tie_word_embeddings", source, False)
     return dict(
-        intermediate_size=int(d.get("moe_intermediate_size") or 512),
-        num_key_value_heads=int(d.get("num_key_value_heads") or 2),
-        head_dim=int(d.get("head_dim") or 256),
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(tie),
-        rope=parse_rope(d, max_pos, default_partial=0.25),
+        intermediate_size=_opt_int(d, "moe_intermediate_size", source, 512),
+        num_key_value_heads=_opt_int(d, "num_key_value_heads", source, 2),
+        head_dim=_opt_int(d, "head_dim", source, 256),
+        rms_norm_eps=_opt_number(d, "rms_norm_eps", source, 1e-6),
+        tie_word_embeddings=tie,
+        rope=parse_rope(d, max_pos, default_partial=0.25, source=source),
         layer_types=tuple(str(t) for t in layer_types),
-        linear_num_key_heads=int(d.get("linear_num_key_heads") or 16),
-        linear_num_value_heads=int(d.get("linear_num_value_heads") or 32),
-        linear_key_head_dim=int(d.get("linear_key_head_dim") or 128),
-        linear_value_head_dim=int(d.get("linear_value_head_dim") or 128),
-        linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim") or 4),
-        num_experts=int(d.get("num_experts") or 256),
-        num_experts_per_tok=int(d.get("num_experts_per_tok") or 8),
-        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 512),
+        linear_num_key_heads=_opt_int(d, "linear_num_key_heads", source, 16),
+        linear_num_value_heads=_opt_int(d, "linear_num_value_heads", source, 32),
+        linear_key_head_dim=_opt_int(d, "linear_key_head_dim", source, 128),
+        linear_value_head_dim=_opt_int(d, "linear_value_head_dim", source, 128),
+        linear_conv_kernel_dim=_opt_int(d, "linear_conv_kernel_dim", source, 4),
+        num_experts=_opt_int(d, "num_experts", source, 256),
+        num_experts_per_tok=_opt_int(d, "num_experts_per_tok", source, 8),
+        shared_expert_intermediate_size=_opt_int(d, "shared_expert_intermediate_size", source, 512),
     )
 
 
@@ -547,7 +629,19 @@ class DraftConfig:
 
     def __post_init__(self) -> None:
         _check_positive_ints(self, ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                                    "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size"), "draft ")
+                                    "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size",
+                                    "max_position_embeddings"), "draft ")
+        if not _is_real(self.rms_norm_eps) or not math.isfinite(self.rms_norm_eps) or not self.rms_norm_eps > 0:
+            raise ConfigError(f"draft rms_norm_eps must be > 0 (a finite number), got {_show(self.rms_norm_eps)}")
+        if not isinstance(self.rope, RopeConfig):
+            raise ConfigError(f"draft rope must be a RopeConfig, got {_show(self.rope)}")
+        if self.aux_layer_ids is not None:
+            if not isinstance(self.aux_layer_ids, tuple) or not self.aux_layer_ids:
+                raise ConfigError(f"draft aux_layer_ids must be a non-empty tuple of layer indices or None, got "
+                                  f"{_show(self.aux_layer_ids)}")
+            for i in self.aux_layer_ids:
+                check_int(i, "draft aux_layer_ids entry", min=0)
+        check_bool(self.norm_before_residual, "draft norm_before_residual")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"draft num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_key_value_heads})")
@@ -565,8 +659,9 @@ class DraftConfig:
                 vLLM convention), ``"output"`` (output-of-layer ids, SpecForge: +1), or ``"auto"`` (SGLang's rule:
                 a first id of 1 means output-of-layer ids).
         """
-        if aux_convention not in AUX_CONVENTIONS:
+        if not isinstance(aux_convention, str) or aux_convention not in AUX_CONVENTIONS:
             raise ConfigError(f"aux_convention must be one of {AUX_CONVENTIONS}, got {aux_convention!r}")
+        d = _check_dict(d, source, "a draft config.json")
         if "transformer_layer_config" in d:
             raise UnsupportedModelError(f"{source}: the vLLM 'speculators' nested draft format is not supported; "
                                         f"flatten transformer_layer_config into the top level")
@@ -574,6 +669,8 @@ class DraftConfig:
         if layers != 1:
             raise UnsupportedModelError(f"{source}: an EAGLE-3 draft has exactly one layer, this one has {layers}")
         eagle = d.get("eagle_config") or {}
+        if not isinstance(eagle, dict):
+            raise ConfigError(f"{source}: eagle_config must be a JSON object, got {_show(eagle)}")
         if eagle.get("use_aux_hidden_state") is False:
             raise UnsupportedModelError(f"{source}: use_aux_hidden_state=false (EAGLE-1 style draft) is not supported")
         for key in ("fc_norm", "norm_before_fc"):
@@ -584,30 +681,35 @@ class DraftConfig:
             raise UnsupportedModelError(f"{source}: norm_output=false is not supported")
         if d.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"{source}: draft hidden_act {d['hidden_act']!r} is not supported")
-        hidden = int(_require(d, "hidden_size", source))
-        heads = int(_require(d, "num_attention_heads", source))
-        vocab = int(_require(d, "vocab_size", source))
+        hidden = _req_int(d, "hidden_size", source)
+        heads = _req_int(d, "num_attention_heads", source)
+        if heads <= 0:
+            raise ConfigError(f"{source}: num_attention_heads must be a positive integer, got {heads}")
+        vocab = _req_int(d, "vocab_size", source)
         ids = d.get("eagle_aux_hidden_state_layer_ids", eagle.get("eagle_aux_hidden_state_layer_ids"))
         aux: tuple[int, ...] | None = None
         if ids is not None:
-            aux = tuple(int(i) for i in ids)
+            if not isinstance(ids, list):
+                raise ConfigError(f"{source}: eagle_aux_hidden_state_layer_ids must be a list of layer indices, got "
+                                  f"{_show(ids)}")
+            aux = tuple(_integer(i, "eagle_aux_hidden_state_layer_ids", source) for i in ids)
             if aux_convention == "output" or (aux_convention == "auto" and aux and aux[0] == 1):
                 aux = tuple(i + 1 for i in aux)
-        max_pos = int(d.get("max_position_embeddings") or 2048)
+        max_pos = _opt_int(d, "max_position_embeddings", source, 2048)
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or hidden // heads),
-            intermediate_size=int(_require(d, "intermediate_size", source)),
+            num_key_value_heads=_opt_int(d, "num_key_value_heads", source, heads),
+            head_dim=_opt_int(d, "head_dim", source, hidden // heads),
+            intermediate_size=_req_int(d, "intermediate_size", source),
             vocab_size=vocab,
-            draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
-            target_hidden_size=int(d.get("target_hidden_size") or hidden),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            draft_vocab_size=_opt_int(d, "draft_vocab_size", source, vocab),
+            target_hidden_size=_opt_int(d, "target_hidden_size", source, hidden),
+            rms_norm_eps=_opt_number(d, "rms_norm_eps", source, 1e-5),
             max_position_embeddings=max_pos,
-            rope=parse_rope(d, max_pos),
+            rope=parse_rope(d, max_pos, source=source),
             aux_layer_ids=aux,
-            norm_before_residual=bool(d.get("norm_before_residual", False)),
+            norm_before_residual=_opt_bool(d, "norm_before_residual", source, False),
         )
 
     def resolve_aux_layers(self, target: ModelConfig) -> tuple[int, ...]:
@@ -641,14 +743,25 @@ class DraftConfig:
 
 
 # ------------------------------------------------------------------------------------------ decoding configs
+#: temperatures below this are greedy decoding: :class:`SamplingConfig` stores them as 0
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How tokens are chosen from the target distribution.
 
     Attributes:
-        temperature: 0 (default) = greedy; > 0 samples from ``softmax(logits / temperature)``.
+        temperature: 0 (default) = greedy; > 0 samples from ``softmax(logits / temperature)``. Temperatures below
+            ``GREEDY_TEMPERATURE`` = 1e-5 are greedy: they are stored as 0 (so such configs compare equal to the
+            greedy one) and decoding takes the argmax. Sampling at such a temperature picks the argmax anyway
+            unless two logits lie within about 1e-4 of each other, and below about 1e-37 ``logits / temperature``
+            overflows float32, which made the sampler return token 0.
         top_k: keep the k most likely tokens (0 = off).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (1.0 = off).
+
+    Every field is checked for type and range: a string such as ``top_p="0.9"``, a bool, NaN or infinity is a
+    :class:`~diffspec_jax.errors.ConfigError`.
     """
 
     temperature: float = 0.0
@@ -656,16 +769,17 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0 and math.isfinite(
-                self.temperature)):
-            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise ConfigError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        temperature = check_real(self.temperature, "temperature", min=0.0,
+                                 hint=f" (0 = greedy; below {GREEDY_TEMPERATURE:g} counts as greedy)")
+        top_k = check_int(self.top_k, "top_k", min=0, hint=" (0 = off)")
+        top_p = check_real(self.top_p, "top_p", min=0.0, max=1.0, min_open=True, hint=" (1 = off)")
+        object.__setattr__(self, "temperature", 0.0 if temperature < GREEDY_TEMPERATURE else temperature)
+        object.__setattr__(self, "top_k", top_k)
+        object.__setattr__(self, "top_p", top_p)
 
     @property
     def greedy(self) -> bool:
+        """Greedy decoding (temperature 0, which includes every temperature below ``GREEDY_TEMPERATURE``)."""
         return self.temperature == 0.0
 
 
@@ -704,7 +818,9 @@ class SpecConfig:
             tree verification [``"auto"``]. Trees work with every draft context policy and with sampling; the
             target family must support them (not Qwen3.5's hybrid layers).
         diffspec_max_tree_nodes: tree nodes verified per cycle besides the root (the static verify block is
-            ``max_tree_nodes + 1`` tokens; tree depth = K) [50]; K <= it <= 255.
+            ``max_tree_nodes + 1`` tokens; tree depth = K) [50]; K <= it <= 255, and at most the
+            ``topk + (K - 1) * topk^2`` candidates a tree can draft (:attr:`tree_pool_size`; refused, not clamped:
+            with K = 1 and the default top-k of 8, at most 8).
         diffspec_tree_topk: frontier width and children per node (EAGLE's ``top_k``) [8]; <= max_tree_nodes.
         diffspec_tree_threshold: stop expanding deeper levels once a level adds less than this draft probability
             mass to the best-``budget`` node set [0.0 = always expand to depth K].
@@ -745,6 +861,13 @@ class SpecConfig:
         _check_positive_ints(self, ("num_speculative_tokens", "diffspec_chunk_size", "diffspec_token_budget",
                                     "diffspec_retrieval_interval", "diffspec_long_context_threshold",
                                     "diffspec_long_context_depth", "diffspec_max_tree_nodes", "diffspec_tree_topk"))
+        for name in ("diffspec_keep_sink_chunk", "diffspec_retrieve_after_prefill", "diffspec_adaptive_profile"):
+            check_bool(getattr(self, name), name)
+        for name, choices in (("diffspec_verification_mode", VERIFICATION_MODES),
+                              ("draft_context_policy", DRAFT_CONTEXT_POLICIES), ("draft_sampling", DRAFT_SAMPLING),
+                              ("diffspec_scorer", DIFFSPEC_SCORERS)):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be one of {choices}, got {_show(getattr(self, name))}")
         k = self.num_speculative_tokens
         if self.diffspec_adaptive_profile and self.diffspec_verification_mode != "tree" and \
                 self.diffspec_long_context_depth > k:
@@ -753,9 +876,9 @@ class SpecConfig:
         if self.diffspec_verification_mode not in VERIFICATION_MODES:
             raise ConfigError(f"diffspec_verification_mode must be one of {VERIFICATION_MODES}, got "
                               f"{self.diffspec_verification_mode!r}")
-        if not (isinstance(self.diffspec_tree_threshold, (int, float)) and 0 <= self.diffspec_tree_threshold <= 1):
+        if not (_is_real(self.diffspec_tree_threshold) and 0 <= self.diffspec_tree_threshold <= 1):
             raise ConfigError(f"diffspec_tree_threshold must be in [0, 1] (a probability mass gain), got "
-                              f"{self.diffspec_tree_threshold!r}")
+                              f"{_show(self.diffspec_tree_threshold)}")
         try:
             check_branching(self.diffspec_tree_branching)
         except ConfigError as exc:
@@ -768,6 +891,13 @@ class SpecConfig:
             if self.diffspec_tree_topk > n:
                 raise ConfigError(f"diffspec_tree_topk ({self.diffspec_tree_topk}) must be <= "
                                   f"diffspec_max_tree_nodes ({n})")
+            if n > self.tree_pool_size:
+                w = self.diffspec_tree_topk
+                raise ConfigError(
+                    f"diffspec_max_tree_nodes ({n}) exceeds the {self.tree_pool_size} candidates a tree of depth "
+                    f"num_speculative_tokens={k} and diffspec_tree_topk={w} can draft (topk + (K - 1) * topk^2); "
+                    f"lower diffspec_max_tree_nodes to <= {self.tree_pool_size}, or raise num_speculative_tokens or "
+                    f"diffspec_tree_topk")
             if self.draft_sampling != "argmax":
                 raise ConfigError("tree drafting expands each node's top-k children deterministically; "
                                   "draft_sampling='sample' applies to chain mode only")
@@ -778,12 +908,14 @@ class SpecConfig:
             raise ConfigError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {self.draft_sampling!r}")
         if self.diffspec_scorer not in DIFFSPEC_SCORERS:
             raise ConfigError(f"diffspec_scorer must be one of {DIFFSPEC_SCORERS}, got {self.diffspec_scorer!r}")
-        if not (isinstance(self.diffspec_redundancy_weight, (int, float)) and self.diffspec_redundancy_weight >= 0):
-            raise ConfigError(f"diffspec_redundancy_weight must be >= 0, got {self.diffspec_redundancy_weight!r}")
+        if not (_is_real(self.diffspec_redundancy_weight) and math.isfinite(self.diffspec_redundancy_weight)
+                and self.diffspec_redundancy_weight >= 0):
+            raise ConfigError(f"diffspec_redundancy_weight must be a finite number >= 0, got "
+                              f"{_show(self.diffspec_redundancy_weight)}")
         if self.diffspec_scoring_layer is not None and (
-                not isinstance(self.diffspec_scoring_layer, (int, np.integer)) or self.diffspec_scoring_layer < 0):
+                not _is_int(self.diffspec_scoring_layer) or self.diffspec_scoring_layer < 0):
             raise ConfigError(f"diffspec_scoring_layer must be a layer index >= 0 or None, got "
-                              f"{self.diffspec_scoring_layer!r}")
+                              f"{_show(self.diffspec_scoring_layer)}")
         if self.uses_working_cache:
             c, b = self.diffspec_chunk_size, self.diffspec_token_budget
             if b % c:
@@ -798,6 +930,14 @@ class SpecConfig:
     def tree(self) -> bool:
         """Tree drafting and verification (``diffspec_verification_mode == "tree"``)."""
         return self.diffspec_verification_mode == "tree"
+
+    @property
+    def tree_pool_size(self) -> int:
+        """Candidates a tree draft can hold: ``topk`` at depth 1, then ``topk`` children of each of the ``topk``
+        frontier nodes per further level (``topk + (K - 1) * topk^2``); ``diffspec_max_tree_nodes`` must not
+        exceed it."""
+        w = self.diffspec_tree_topk
+        return w + (self.num_speculative_tokens - 1) * w * w
 
     @property
     def uses_working_cache(self) -> bool:

@@ -3,6 +3,10 @@
 The processed distribution (``logits / T``, then top-k, then top-p on the renormalised top-k set, then softmax)
 is the *same* function for the target-only baseline and for speculative verification, so both sample from one
 distribution.
+
+Temperatures below :data:`~diffspec_jax.config.GREEDY_TEMPERATURE` (1e-5) are greedy: :class:`SamplingConfig` stores
+them as 0, so :func:`choose` takes the argmax instead of dividing the logits by a temperature that can overflow
+them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ _MASKED = -jnp.inf
 def processed_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
     """Log-probabilities of the processed distribution, float32 ``[..., V]`` (``-inf`` for filtered tokens).
 
-    Greedy configs (temperature 0) use temperature 1 here; greedy decisions never call this.
+    Greedy configs (temperature 0, which every temperature below ``GREEDY_TEMPERATURE`` becomes) use temperature
+    1 here; greedy decisions never call this.
     """
     x = logits.astype(jnp.float32) / (sampling.temperature or 1.0)
     if sampling.top_k and sampling.top_k < x.shape[-1]:
@@ -35,7 +40,8 @@ def processed_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array
 
 
 def choose(key: jax.Array, logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """Greedy argmax (temperature 0) or a sample of the processed distribution; int32 ``[...]``."""
+    """Greedy argmax (temperature 0 or below ``GREEDY_TEMPERATURE``) or a sample of the processed distribution;
+    int32 ``[...]``."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, processed_logprobs(logits, sampling), axis=-1).astype(jnp.int32)

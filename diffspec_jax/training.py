@@ -25,6 +25,7 @@ from flax import struct
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.models import family
+from diffspec_jax.validation import check_int, check_real
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,14 @@ class OptimConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.total_steps < 1 or self.warmup_steps < 0 or self.lr <= 0:
-            raise ConfigError(f"invalid optimiser settings: {self}")
+        check_real(self.lr, "optimiser lr", min=0.0, min_open=True)
+        check_int(self.warmup_steps, "optimiser warmup_steps", min=0)
+        check_int(self.total_steps, "optimiser total_steps", min=1)
+        check_real(self.min_lr_ratio, "optimiser min_lr_ratio", min=0.0)
+        check_real(self.weight_decay, "optimiser weight_decay", min=0.0)
+        check_real(self.b1, "optimiser b1", min=0.0, max=1.0, max_open=True)
+        check_real(self.b2, "optimiser b2", min=0.0, max=1.0, max_open=True)
+        check_real(self.clip_norm, "optimiser clip_norm", min=0.0, min_open=True)
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
@@ -78,6 +85,13 @@ class TokenStream:
     def __init__(self, documents: list[np.ndarray], eos_id: int, recall_fraction: float = 0.0,
                  recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.0,
                  recall_distance: float = 0.0):
+        for name, value in (("recall_fraction", recall_fraction), ("recall_distance", recall_distance),
+                            ("recall_noise", recall_noise)):
+            check_real(value, name)
+        if (not isinstance(recall_span, (tuple, list)) or len(recall_span) != 2
+                or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in recall_span)):
+            raise ConfigError(f"recall_span must be (shortest, longest) in tokens, got {recall_span!r}")
+        check_int(eos_id, "eos_id", min=0)
         if not 0.0 <= recall_fraction <= 1.0:
             raise ConfigError(f"recall_fraction must be in [0, 1], got {recall_fraction}")
         if not 0.0 <= recall_distance <= 0.75:
