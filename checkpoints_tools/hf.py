@@ -29,7 +29,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from diffspec_jax.config import ModelConfig
-from diffspec_jax.errors import CheckpointError
+from diffspec_jax.errors import CheckpointError, PathNotFoundError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -39,34 +39,43 @@ FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16
 
 
 def check_dir(path: str | Path) -> Path:
+    """``path`` as a ``Path``; :class:`PathNotFoundError` when it does not exist or is not a directory."""
+    if not isinstance(path, (str, Path)):
+        raise PathNotFoundError(f"a checkpoint path must be a str or pathlib.Path, got {type(path).__name__}")
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint directory {path} does not exist")
+        raise PathNotFoundError(f"checkpoint directory {path} does not exist")
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint path {path} is not a directory")
+        raise PathNotFoundError(f"checkpoint path {path} is not a directory")
     return path
+
+
+def _damaged(file: Path, exc: BaseException, tensor: str | None = None) -> CheckpointError:
+    what = f"tensor {tensor!r} of " if tensor else ""
+    return CheckpointError(f"cannot read {what}safetensors file {file}: {exc}; the file is damaged or incomplete "
+                           f"(re-download or re-create it)")
 
 
 class WeightReader:
     """Lazy access to the tensors of a safetensors checkpoint directory (single file or sharded).
 
     Use as a context manager; ``keys()``, ``shape(name)``, ``dtype(name)`` read headers only, ``get(name)``
-    loads one tensor as a NumPy array.
+    loads one tensor as a NumPy array. Every read error of the safetensors library is a :class:`CheckpointError`
+    naming the file (and tensor), and a sharded index that names a tensor its shard does not hold is refused when
+    the reader opens.
     """
 
     def __init__(self, path: str | Path, *, single_file: str = SINGLE_FILE, index_file: str = INDEX_FILE):
         self.path = check_dir(path)
         index = self.path / index_file
         single = self.path / single_file
+        self._handles: dict[Path, Any] = {}
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
-                raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({exc})") from exc
-            self._file_of = {k: self.path / f for k, f in weight_map.items()}
+            self._file_of = self._read_index(index)
             for f in sorted(set(self._file_of.values())):
-                if not f.exists():
+                if not f.is_file():
                     raise CheckpointError(f"{index} names shard {f.name}, which does not exist in {self.path}")
+            self._check_shards(index)
         elif single.exists():
             self._file_of = None
             self._single = single
@@ -75,17 +84,58 @@ class WeightReader:
             hint = (f"; found PyTorch weights {bins}: convert them once with "
                     f"`python -m checkpoints_tools.convert --bin-to-safetensors {self.path}`") if bins else ""
             raise CheckpointError(f"no {single_file} or {index_file} in {self.path}{hint}")
-        self._handles: dict[Path, Any] = {}
         if self._file_of is None:
-            self._file_of = {k: single for k in self._handle(single).keys()}
+            self._file_of = {k: single for k in self._keys_of(single)}
+
+    def _read_index(self, index: Path) -> dict[str, Path]:
+        try:
+            data = json.loads(index.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
+            raise CheckpointError(f"{index}: not a readable safetensors index ({exc}); the file is damaged "
+                                  f"(re-download it)") from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: not a safetensors index (it needs a non-empty \"weight_map\" object "
+                                  f"of tensor name -> shard file)")
+        out = {}
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard or Path(shard).name != shard:
+                raise CheckpointError(f"{index}: tensor {name!r} maps to {shard!r}, not a shard file name in "
+                                      f"{self.path}")
+            out[name] = self.path / shard
+        return out
+
+    def _check_shards(self, index: Path) -> None:
+        """Each shard holds the tensors the index names for it (a damaged name in a shard header is caught here,
+        not as a raw safetensors error later)."""
+        by_file: dict[Path, set[str]] = {}
+        for name, f in self._file_of.items():
+            by_file.setdefault(f, set()).add(name)
+        for f, names in sorted(by_file.items()):
+            held = set(self._keys_of(f))
+            missing = sorted(names - held)
+            if missing:
+                extra = sorted(held - set(self._file_of))
+                more = f"; the shard holds names the index does not know: {extra[:3]}" if extra else ""
+                raise CheckpointError(
+                    f"{index} maps tensors {missing[:3]}{' ...' if len(missing) > 3 else ''} to shard {f.name}, "
+                    f"which does not contain them{more} (a damaged shard header or index: re-download them)")
 
     def _handle(self, file: Path):
         if file not in self._handles:
             try:
                 self._handles[file] = safe_open(str(file), framework="numpy")
             except Exception as exc:  # safetensors raises its own error types
-                raise CheckpointError(f"cannot read safetensors file {file}: {exc}") from exc
+                raise _damaged(file, exc) from exc
         return self._handles[file]
+
+    def _keys_of(self, file: Path) -> list[str]:
+        try:
+            return list(self._handle(file).keys())
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise _damaged(file, exc) from exc
 
     def __enter__(self) -> WeightReader:
         return self
@@ -105,7 +155,13 @@ class WeightReader:
     def _slice(self, name: str):
         if name not in self._file_of:
             raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
-        return self._handle(self._file_of[name]).get_slice(name)
+        file = self._file_of[name]
+        try:
+            return self._handle(file).get_slice(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise _damaged(file, exc, name) from exc
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
@@ -114,7 +170,15 @@ class WeightReader:
         return self._slice(name).get_dtype()
 
     def get(self, name: str) -> np.ndarray:
-        return self._handle(self._file_of[name]).get_tensor(name)
+        if name not in self._file_of:
+            raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
+        file = self._file_of[name]
+        try:
+            return self._handle(file).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise _damaged(file, exc, name) from exc
 
 
 # ----------------------------------------------------------------------------------------------- mappings
@@ -239,6 +303,20 @@ def load_hf_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) ->
         tied = config.tie_word_embeddings
         return read_tensors(reader, llama_tensor_maps(config), dtype,
                             ignore=lambda k: tied and k == "lm_head.weight")
+
+
+def target_tensor_maps(config: ModelConfig) -> dict[str, TensorMap]:
+    """The HF key -> :class:`TensorMap` table of a target (any supported family, default key prefix)."""
+    return qwen35_tensor_maps(config, config.weight_prefix) if config.is_hybrid else llama_tensor_maps(config)
+
+
+def hf_names(maps: dict[str, TensorMap]) -> dict[tuple, str]:
+    """params leaf path (a tuple such as ``("layers", 3, "wq")``) -> the HF tensor it is read from."""
+    out = {}
+    for key, m in maps.items():
+        for path in (m.path if m.split else (m.path,)):
+            out[tuple(path)] = key
+    return out
 
 
 def export_tensors(params: dict, maps: dict[str, TensorMap], dtype=None) -> dict[str, np.ndarray]:

@@ -2,21 +2,26 @@
 
 Prints the config summary, every tensor (name, shape, dtype), the parameter count and the sha256 of every
 weight file. ``--expect-sha256 FILE=HEX`` (repeatable) compares a file against a publisher's hash and exits
-with status 1 on a mismatch. Works on Hugging Face directories (safetensors, sharded or not) and on Orbax
-checkpoints written by ``checkpoints_tools.convert``.
+with status 1 on a mismatch. ``--verify`` checks the directory against its ``diffspec_manifest.json`` (the
+SHA-256 digests written by ``convert``, ``train_draft`` and the demo build; see :mod:`diffspec_jax.outdir`) and
+reads every tensor to check that it is finite, exiting with status 1 on any problem. Works on Hugging Face
+directories (safetensors, sharded or not) and on Orbax checkpoints written by ``checkpoints_tools.convert``.
+Exit status: 0 = fine, 1 = a damaged checkpoint or a failed check, 2 = usage error (no such directory, ...).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from checkpoints_tools import hf, orbax_io
-from diffspec_jax.errors import DiffspecError
+from diffspec_jax.errors import CheckpointError, DiffspecError, IntegrityError
+from diffspec_jax.validation import ArgumentParser, read_json_object, report_error
 
 
 def sha256_file(path: Path, block: int = 1 << 20) -> str:
@@ -38,7 +43,11 @@ def describe(path: str | Path) -> dict:
     info: dict = {"path": str(path)}
     cfg_file = path / "config.json"
     if cfg_file.exists():
-        raw = json.loads(cfg_file.read_text())
+        try:
+            raw = read_json_object(cfg_file)
+        except DiffspecError as exc:
+            raw = {}
+            info["config_error"] = str(exc)
         if isinstance(raw.get("text_config"), dict):  # multimodal wrappers (Qwen3.5-MoE): summarise the text model
             raw = {**raw["text_config"], **{k: raw[k] for k in ("architectures", "model_type") if k in raw}}
         info["config"] = {k: raw.get(k) for k in ("architectures", "model_type", "hidden_size", "num_hidden_layers",
@@ -47,14 +56,10 @@ def describe(path: str | Path) -> dict:
                           if k in raw}
     tensors = []
     if orbax_io.is_orbax_dir(path):
-        import orbax.checkpoint as ocp
-
-        info["format"] = "orbax"
-        with ocp.StandardCheckpointer() as ckptr:
-            meta = ckptr.metadata((path / orbax_io.PARAMS_DIR).absolute())
-        tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
         import jax
 
+        info["format"] = "orbax"
+        tree = orbax_io.stored_tree(path)
         for keypath, m in jax.tree_util.tree_flatten_with_path(tree)[0]:
             tensors.append({"name": jax.tree_util.keystr(keypath), "shape": list(m.shape), "dtype": str(m.dtype)})
         files = sorted(p for p in (path / orbax_io.PARAMS_DIR).rglob("*") if p.is_file())
@@ -69,6 +74,40 @@ def describe(path: str | Path) -> dict:
     info["files"] = [{"file": str(f.relative_to(path)), "bytes": f.stat().st_size, "sha256": sha256_file(f)}
                      for f in files]
     return info
+
+
+def verify(path: str | Path) -> dict:
+    """``--verify``: the manifest's digests (required), then every floating tensor finite and of magnitude <=
+    ``diffspec_jax.target.MAX_ABS_WEIGHT``. Returns ``{"manifest_files": n, "tensors_checked": m}``.
+
+    Raises:
+        IntegrityError: the first problem (a missing manifest, a digest mismatch, a bad tensor).
+        CheckpointError: a file that cannot be read.
+    """
+    from diffspec_jax.outdir import verify_manifest
+    from diffspec_jax.target import MAX_ABS_WEIGHT, check_finite
+
+    path = hf.check_dir(path)
+    body = verify_manifest(path, required=True)
+    checked = 0
+    if orbax_io.is_orbax_dir(path):
+        params = orbax_io.load_orbax(path)
+        check_finite(params, str(path))
+        import jax
+
+        checked = len(jax.tree_util.tree_leaves(params))
+    elif (path / hf.SINGLE_FILE).exists() or (path / hf.INDEX_FILE).exists():
+        with hf.WeightReader(path) as reader:
+            for name in sorted(reader.keys()):  # one tensor at a time: host memory stays at one tensor
+                arr = reader.get(name)
+                if not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
+                    continue
+                peak = float(np.max(np.abs(arr.astype(np.float32)), initial=0.0))
+                if not math.isfinite(peak) or peak > MAX_ABS_WEIGHT:
+                    what = "NaN or infinite values" if not math.isfinite(peak) else f"a value of magnitude {peak:.3g}"
+                    raise IntegrityError(f"{path}: tensor {name!r} holds {what}; the checkpoint is damaged")
+                checked += 1
+    return {"manifest_files": len(body["files"]), "tensors_checked": checked}
 
 
 def check_hashes(info: dict, expected: list[str]) -> list[str]:
@@ -88,18 +127,27 @@ def check_hashes(info: dict, expected: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m checkpoints_tools.inspect", description=__doc__.split("\n")[0])
+    ap = ArgumentParser(prog="python -m checkpoints_tools.inspect", description=__doc__.split("\n")[0])
     ap.add_argument("path")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--expect-sha256", action="append", default=[], metavar="FILE=HEX")
+    ap.add_argument("--verify", action="store_true",
+                    help="check the files against diffspec_manifest.json and every tensor for NaN / inf")
     args = ap.parse_args(argv)
+    verified = None
     try:
+        if args.verify:  # first: a damaged file is best reported by its digest
+            verified = verify(args.path)
         info = describe(args.path)
-    except DiffspecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (DiffspecError, OSError) as exc:
+        if args.verify and isinstance(exc, CheckpointError) and exc.exit_code == 1:
+            print(f"VERIFY FAILED: {exc}", file=sys.stderr)
+            return 1
+        return report_error(exc)
     problems = check_hashes(info, args.expect_sha256)
     info["hash_check"] = {"expected": len(args.expect_sha256), "problems": problems}
+    if verified is not None:
+        info["verify"] = verified
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -115,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"HASH CHECK FAILED: {p}", file=sys.stderr)
         if args.expect_sha256 and not problems:
             print(f"hash check: {len(args.expect_sha256)} file(s) match")
+        if verified is not None:
+            print(f"verified: {verified['manifest_files']} file(s) match diffspec_manifest.json, "
+                  f"{verified['tensors_checked']} tensor(s) finite")
     return 1 if problems else 0
 
 

@@ -5,7 +5,6 @@ Public entry point (re-exported by :mod:`diffspec_jax`): :func:`load_draft`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ import numpy as np
 from diffspec_jax.config import DraftConfig
 from diffspec_jax.errors import CheckpointError, ConfigError
 from diffspec_jax.models import eagle3
-from diffspec_jax.target import TargetModel, resolve_dtype
+from diffspec_jax.target import TargetModel, check_finite, resolve_dtype
+from diffspec_jax.validation import check_bool, check_int, read_json_object
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,7 +64,7 @@ def _weights(path: Path):
 
 
 def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_convention: str = "auto",
-               aux_layer_ids: tuple[int, ...] | None = None) -> DraftModel:
+               aux_layer_ids: tuple[int, ...] | None = None, verify: bool = True) -> DraftModel:
     """Load an EAGLE-3 draft (SpecForge / vLLM layout) for ``target``.
 
     Args:
@@ -74,21 +74,34 @@ def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_
         aux_convention: how the config's explicit aux ids are read (``"auto"``, ``"hf"``, ``"output"``; see
             :meth:`DraftConfig.from_dict`).
         aux_layer_ids: override the aux layers (HF ``hidden_states`` indices).
+        verify: check the manifest digests (when the directory has a ``diffspec_manifest.json``) and that every
+            floating tensor is finite (see :func:`diffspec_jax.load_target`); ``False`` skips both.
     Raises:
-        ConfigError: vocabulary mismatch, aux ids out of range, fc width not matching the target hidden size.
+        ConfigError: vocabulary mismatch, aux ids out of range, fc width not matching the target hidden size, an
+            invalid ``config.json``.
         UnsupportedModelError: more than one draft layer, EAGLE-1 style or other unsupported draft variants.
-        CheckpointError: missing / inconsistent files or tensors.
+        CheckpointError: missing / inconsistent files or tensors (``IntegrityError``: damaged contents).
     """
     from checkpoints_tools import hf
+    from diffspec_jax.outdir import verify_manifest
 
     path = hf.check_dir(path)
+    if not isinstance(target, TargetModel):
+        raise ConfigError(f"load_draft needs the TargetModel the draft serves (from load_target), got "
+                          f"{type(target).__name__}")
+    verify = check_bool(verify, "verify")
+    if verify:  # every file but config.json first (see load_target)
+        verify_manifest(path, skip=("config.json",))
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(f"no config.json found at {cfg_file}")
-    raw = json.loads(cfg_file.read_text())
-    config = DraftConfig.from_dict(raw, source=str(cfg_file), aux_convention=aux_convention)
+    config = DraftConfig.from_dict(read_json_object(cfg_file, "a draft config.json"), source=str(cfg_file),
+                                   aux_convention=aux_convention)
     if aux_layer_ids is not None:
-        config = DraftConfig(**{**config.__dict__, "aux_layer_ids": tuple(int(i) for i in aux_layer_ids)})
+        if isinstance(aux_layer_ids, (str, bytes)) or not hasattr(aux_layer_ids, "__iter__"):
+            raise ConfigError(f"aux_layer_ids must be a sequence of layer indices, got {aux_layer_ids!r}")
+        ids = tuple(check_int(i, "aux_layer_ids entry", min=0) for i in aux_layer_ids)
+        config = DraftConfig(**{**config.__dict__, "aux_layer_ids": ids})
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     with _weights(path) as reader:
         keys = set(reader.keys())
@@ -109,6 +122,9 @@ def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_
         maps = hf.eagle3_tensor_maps(config, num_aux, prefix, own_embedding=own)
         params = hf.read_tensors(reader, maps, dtype, ignore=lambda k: k in ("d2t", "t2d"))
         params["d2t"] = _read_d2t(reader, config, path)
+    if verify:  # config.json's digest once the files are known to fit it, then the values
+        verify_manifest(path, only=("config.json",))
+        check_finite(params, str(path), hf.hf_names(maps), skip=("d2t",))
     if not own:
         if config.hidden_size != target.config.hidden_size:
             raise CheckpointError(f"{path}: the draft's hidden size ({config.hidden_size}) differs from the target's "
@@ -123,7 +139,11 @@ def _read_d2t(reader, config: DraftConfig, path: Path) -> jnp.ndarray:
         if vd != v:
             raise CheckpointError(f"{path}: draft_vocab_size {vd} < vocab_size {v} but the d2t table is missing")
         return jnp.zeros(vd, jnp.int32)
-    d2t = np.asarray(reader.get("d2t")).astype(np.int64)
+    raw = np.asarray(reader.get("d2t"))
+    if not np.issubdtype(raw.dtype, np.integer) and not (
+            np.issubdtype(raw.dtype, np.floating) and np.all(np.isfinite(raw)) and np.all(raw == np.round(raw))):
+        raise CheckpointError(f"{path}: d2t (dtype {raw.dtype}) must hold integer offsets; the table is damaged")
+    d2t = raw.astype(np.int64)
     if d2t.shape != (vd,):
         raise CheckpointError(f"{path}: d2t has shape {list(d2t.shape)}, expected [{vd}] (draft_vocab_size)")
     target_ids = d2t + np.arange(vd)

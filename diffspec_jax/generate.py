@@ -18,7 +18,6 @@ This module is also callable: ``diffspec_jax.generate(target, draft, prompts, ..
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import sys
@@ -29,7 +28,8 @@ import numpy as np
 
 from diffspec_jax import engine
 from diffspec_jax.config import SamplingConfig, SpecConfig
-from diffspec_jax.errors import DiffspecError, InputError
+from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
+from diffspec_jax.validation import ArgumentParser, check_generate_args, read_text, report_error
 
 
 def default_pair() -> tuple[Path, Path]:
@@ -45,21 +45,29 @@ def _tokenizer(path: Path):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # tokenizers / transformers raise many types for damaged files
+        raise CheckpointError(f"cannot load the tokenizer in {path} ({type(exc).__name__}: {exc}); its tokenizer "
+                              f"files are damaged or incomplete") from exc
 
 
 def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
-    if args.prompt_ids:
-        try:
-            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-        except ValueError as exc:
-            raise InputError(f"--prompt-ids must be comma-separated integers ({exc})") from exc
+    if args.prompt_ids is not None:
+        parts = [x.strip() for x in args.prompt_ids.split(",")]
+        if not any(parts):
+            raise InputError("--prompt-ids is empty: give comma-separated token ids, e.g. --prompt-ids 1,2,3")
+        ids = []
+        for x in filter(None, parts):
+            try:
+                ids.append(int(x))
+            except ValueError:
+                raise InputError(f"--prompt-ids must be comma-separated integers, got {x!r} in "
+                                 f"{args.prompt_ids!r}") from None
+        return ids
     text = None
-    if args.prompt_file:
-        path = Path(args.prompt_file)
-        if not path.exists():
-            raise InputError(f"prompt file {path} does not exist")
-        text = path.read_text()
+    if args.prompt_file is not None:
+        text = read_text(args.prompt_file, "prompt file")
     elif args.prompt is not None:
         text = args.prompt
     if text is None:
@@ -78,8 +86,9 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
     return list(tok(text, add_special_tokens=True)["input_ids"])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m diffspec_jax.generate", description=__doc__.split("\n")[0])
+def build_parser() -> ArgumentParser:
+    """The CLI's parser: usage errors are one line on stderr and exit status 2."""
+    ap = ArgumentParser(prog="python -m diffspec_jax.generate", description=__doc__.split("\n")[0])
     ap.add_argument("--target", help="Hugging Face or Orbax target directory (default: the embedded pair)")
     ap.add_argument("--draft", help="EAGLE-3 draft directory (default: the embedded pair's draft, if no --target)")
     ap.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
@@ -130,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     from diffspec_jax.target import load_target
 
     try:
+        if args.tp < 1:
+            raise ConfigError(f"--tp must be a positive integer (devices on the tensor-parallel axis), got {args.tp}")
+        if args.draft_tp is not None and args.draft_tp < 1:
+            raise ConfigError(f"--draft-tp must be 1 (replicated draft) or --tp, got {args.draft_tp}")
         embedded = args.target is None
         if embedded:
             target_dir, draft_dir = default_pair()
@@ -139,9 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_draft:
             draft_dir = None
         policy = args.policy or ("diffspec" if embedded else SpecConfig.draft_context_policy)
-        target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype))
-        draft = load_draft(draft_dir, target) if draft_dir is not None else None
-        random_pair = (target_dir / "RANDOM_WEIGHTS.json").exists()
         spec = SpecConfig(num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=policy,
                           diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
                           diffspec_retrieval_interval=args.retrieval_interval,
@@ -150,8 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                           diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
                           diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=args.draft_tp)
         sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype))
+        draft = load_draft(draft_dir, target) if draft_dir is not None else None
+        random_pair = (target_dir / "RANDOM_WEIGHTS.json").exists()
         tok = _tokenizer(target_dir)
         prompt = _prompt_ids(args, tok, target.config.vocab_size)
+        check_generate_args(target.config.vocab_size, seed=args.seed)  # the CLI's own check, whatever generate() does
         stream = _Streamer(tok, enabled=not args.json)
         if random_pair and not args.json:
             print(f"[RANDOM weights in {target_dir}: the tokens are meaningless]", file=sys.stderr)
@@ -179,15 +193,14 @@ def main(argv: list[str] | None = None) -> int:
             base = engine.generate(target, None, [prompt], **kwargs)
             report["baseline"] = base.stats.to_dict()
             report["identical_to_target_only"] = base.tokens == result.tokens
-            if args.temperature == 0 and base.tokens != result.tokens:
+            if sampling.greedy and base.tokens != result.tokens:
                 report["divergence"] = divergence(target, prompt, base.tokens[0], result.tokens[0])
             if base.stats.decode_tokens_per_s and result.stats.decode_tokens_per_s:
                 report["decode_speedup"] = result.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s
         # compilation of every run (the warm-up runs of --compare compile what the timed runs then reuse)
         report["compile_s"] = sum(r.stats.compile_s for r in warmup + [result] + ([base] if args.compare else []))
-    except (DiffspecError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (DiffspecError, OSError) as exc:  # one line on stderr; 2 = usage error, 1 = other (a damaged file)
+        return report_error(exc)
     if args.json:
         print(json.dumps(report))
     else:

@@ -74,7 +74,8 @@ def abstract_params(config: ModelConfig, dtype) -> llama.Params:
                                   is_leaf=llama.is_shape)
 
 
-def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: bool = True) -> TargetModel:
+def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: bool = True,
+                verify: bool = True) -> TargetModel:
     """Load a target from a Hugging Face directory or an Orbax checkpoint written by ``checkpoints_tools``.
 
     Supported: ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` and the Qwen3.5 hybrid MoE family
@@ -88,22 +89,101 @@ def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: 
         fuse_projections: serve Llama / Qwen3 layers with fused q/k/v and gate/up weights
             (:func:`diffspec_jax.models.llama.fuse_projections`, faster decode; default). ``False`` keeps the
             checkpoint layout (what ``checkpoints_tools convert`` stores).
+        verify: check the checkpoint's integrity (default): the SHA-256 digests of its ``diffspec_manifest.json``
+            when it has one (:mod:`diffspec_jax.outdir`; written by ``convert``, ``train_draft`` and the demo
+            build), and that every floating tensor is finite and of magnitude <= ``MAX_ABS_WEIGHT`` (one fused
+            reduction on the device, :func:`check_finite`). ``False`` skips both.
     Raises:
-        CheckpointError: missing directory / files / tensors, or shapes that do not match ``config.json``.
+        PathNotFoundError: ``path`` does not exist or is not a directory.
+        CheckpointError: missing / unreadable files or tensors, or shapes that do not match ``config.json``.
+        IntegrityError: a digest that differs from the manifest, or a tensor with NaN / inf / absurd values.
         UnsupportedModelError: architecture, RoPE type or feature not supported.
     """
     from checkpoints_tools import hf, orbax_io
+    from diffspec_jax.outdir import verify_manifest
+    from diffspec_jax.validation import check_bool
 
     path = hf.check_dir(path)
     dtype = resolve_dtype(dtype)
+    fuse_projections = check_bool(fuse_projections, "fuse_projections")
+    verify = check_bool(verify, "verify")
+    if verify:  # the digests of every file but config.json first: damage is reported as such, not as what it breaks
+        verify_manifest(path, skip=("config.json",))
     config = ModelConfig.from_pretrained(path)
+    # config.json's digest once the files are known to fit it (so an edited config is reported as a mismatch),
+    # before Orbax restores any data
+    check = (lambda: verify_manifest(path, only=("config.json",))) if verify else None
     if orbax_io.is_orbax_dir(path):
-        params = orbax_io.load_orbax(path, abstract_params(config, dtype))
+        params = orbax_io.load_orbax(path, abstract_params(config, dtype), before_restore=check)
     else:
         params = hf.load_hf_params(path, config, dtype)
+        if check is not None:
+            check()
+    if verify:  # both formats hold the checkpoint layout, so leaves are named by their HF tensors
+        check_finite(params, str(path), hf.hf_names(hf.target_tensor_maps(config)))
     if fuse_projections and config.family == "llama":
         params = llama.fuse_layers_in_place(params)
     return TargetModel(config=config, params=params, path=str(path))
+
+
+# ------------------------------------------------------------------------------------------ integrity checks
+#: a weight of larger magnitude is treated as damage (a flipped exponent bit turns 0.01 into ~1e17 or more);
+#: trained checkpoints stay orders of magnitude below it
+MAX_ABS_WEIGHT = 1e6
+
+
+@jax.jit
+def _peak_magnitudes(leaves: list) -> jax.Array:
+    """float32 ``[len(leaves)]``: max |x| of every leaf, ``inf`` when a leaf holds a NaN or an inf (NaN is mapped
+    to inf first: a max reduction need not propagate NaN), one fused computation."""
+    return jnp.stack([jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf), initial=0).astype(jnp.float32)
+                      for x in leaves])
+
+
+def _leaf_name(keypath) -> tuple:
+    out = []
+    for k in keypath:
+        out.append(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+    return tuple(out)
+
+
+def check_finite(params: Any, where: str, names: dict[tuple, str] | None = None, *,
+                 skip: tuple[str, ...] = ()) -> None:
+    """Refuse params with a floating leaf that holds NaN / inf or a value of magnitude > ``MAX_ABS_WEIGHT``.
+
+    One jitted reduction over all floating leaves (max |x| per leaf, one small vector back to the host).
+
+    Args:
+        where: the checkpoint, for the message.
+        names: leaf path tuple -> the tensor's name on disk (default: the params path).
+        skip: top-level keys left out (e.g. a draft's embedding shared with its target).
+    Raises:
+        IntegrityError: naming the first bad tensor (and how many are bad).
+    """
+    from diffspec_jax.errors import IntegrityError
+
+    flat = [(kp, x) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+            and not (skip and _leaf_name(kp)[:1] and _leaf_name(kp)[0] in skip)]
+    if not flat:
+        return
+    peaks = np.asarray(_peak_magnitudes([x for _, x in flat]))
+    bad = np.flatnonzero(~(np.isfinite(peaks) & (peaks <= MAX_ABS_WEIGHT)))
+    if not bad.size:
+        return
+
+    def label(i: int) -> str:
+        kp = flat[i][0]
+        leaf = _leaf_name(kp)
+        on_disk = (names or {}).get(leaf)
+        return f"{on_disk!r} (params{jax.tree_util.keystr(kp)})" if on_disk else f"params{jax.tree_util.keystr(kp)}"
+
+    first = int(bad[0])
+    what = ("holds NaN or infinite values" if not np.isfinite(peaks[first]) else
+            f"holds a value of magnitude {peaks[first]:.3g} > {MAX_ABS_WEIGHT:g} (a flipped exponent bit?)")
+    more = f" ({len(bad)} tensors are bad, also {', '.join(label(int(i)) for i in bad[1:3])})" if len(bad) > 1 else ""
+    raise IntegrityError(f"{where}: tensor {label(first)} {what}{more}; the checkpoint is damaged: re-download or "
+                         f"re-create it (or load with verify=False to skip this check)")
 
 
 def check_token_ids(token_ids: Any, vocab_size: int, what: str = "token_ids") -> np.ndarray:

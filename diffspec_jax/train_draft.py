@@ -19,13 +19,19 @@ Example::
 
     python -m diffspec_jax.train_draft --target path/to/target --data a.txt b.jsonl --out path/to/draft \\
         --steps 2000 --seq-len 2048 --batch 8 --ttt-steps 4 --draft-vocab 2048
+
+``--out`` is written safely (:class:`diffspec_jax.outdir.OutputDir`): into ``OUT.partial`` first (the training
+checkpoints too, by default in ``OUT.partial/checkpoints``: an interrupted run leaves it, and the same command
+continues from it), renamed into place at the end with a ``diffspec_manifest.json`` of SHA-256 digests that
+``load_draft`` verifies. A non-empty ``--out`` is refused unless an earlier diffspec tool wrote it or
+``--overwrite`` is given (the old contents are then moved to ``OUT.replaced-<time>``, never deleted); an
+explicit ``--ckpt-dir`` is used in place and may not lie inside ``--out``. Exit status: 0 = trained, 2 = usage
+error, 1 = other error.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -37,6 +43,10 @@ from diffspec_jax.errors import ConfigError, DiffspecError, InputError
 from diffspec_jax.models import eagle3, family
 from diffspec_jax.target import TargetModel
 from diffspec_jax.training import OptimConfig, TokenStream, cast_floats, train_loop
+from diffspec_jax.validation import ArgumentParser, check_choice, check_int, check_real, read_text, report_error
+
+TOOL = "diffspec_jax.train_draft"
+ATTENTION = ("dense", "flash")
 
 FROZEN_KEYS = ("embed", "d2t")
 
@@ -55,8 +65,8 @@ def draft_config_for(target: TargetModel, draft_vocab: int, aux_layers: tuple[in
 
 def draft_vocabulary(tokens: np.ndarray, vocab_size: int, draft_vocab: int) -> np.ndarray:
     """The ``draft_vocab`` most frequent ids of ``tokens`` (ties: lower id first), sorted ascending."""
-    if not 0 < draft_vocab <= vocab_size:
-        raise ConfigError(f"draft_vocab must be in 1..{vocab_size}, got {draft_vocab}")
+    check_int(draft_vocab, "draft_vocab", min=1, max=vocab_size,
+              hint=f" (the draft's output vocabulary, at most the target's {vocab_size})")
     counts = np.bincount(tokens, minlength=vocab_size)
     order = np.lexsort((np.arange(vocab_size), -counts))
     return np.sort(order[:draft_vocab])
@@ -147,12 +157,18 @@ def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: 
                 attention: str = "dense", compute_dtype=jnp.bfloat16, eval_stream: TokenStream | None = None,
                 eval_every: int = 0, log_every: int = 20, progress: bool = True
                 ) -> tuple[DraftConfig, dict, list[dict]]:
-    """Train an EAGLE-3 draft for ``target``; returns ``(config, params incl. d2t and shared embed, history)``."""
-    if ttt_steps < 1:
-        raise ConfigError(f"ttt_steps must be >= 1, got {ttt_steps}")
+    """Train an EAGLE-3 draft for ``target``; returns ``(config, params incl. d2t and shared embed, history)``.
+
+    Raises:
+        ConfigError: a setting of the wrong type or out of range (each is checked before any work), aux layers the
+            target does not have.
+    """
+    check_train_args(target, stream, steps=steps, batch=batch, seq_len=seq_len, ttt_steps=ttt_steps,
+                     draft_vocab=draft_vocab, aux_layers=aux_layers, seed=seed, attention=attention,
+                     eval_stream=eval_stream, eval_every=eval_every, log_every=log_every)
     tc = target.config
     n = tc.num_hidden_layers
-    aux = tuple(aux_layers) if aux_layers is not None else (2, n // 2, n - 3)
+    aux = tuple(int(a) for a in aux_layers) if aux_layers is not None else (2, n // 2, n - 3)
     used = draft_vocabulary(stream.tokens, tc.vocab_size, draft_vocab or tc.vocab_size)
     cfg = draft_config_for(target, len(used), aux)
     cfg.resolve_aux_layers(tc)
@@ -179,6 +195,31 @@ def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: 
     return cfg, {**trainable, "d2t": params["d2t"], "embed": target.params["embed"]}, history
 
 
+def check_train_args(target: TargetModel, stream: TokenStream, *, steps, batch, seq_len, ttt_steps, draft_vocab,
+                     aux_layers, seed, attention, eval_stream=None, eval_every=0, log_every=20) -> None:
+    """Type and range checks of :func:`train_draft`'s arguments (a :class:`ConfigError` naming the first bad one)."""
+    if not isinstance(target, TargetModel):
+        raise ConfigError(f"target must be a TargetModel (from load_target), got {type(target).__name__}")
+    for name, value in (("stream", stream), ("eval_stream", eval_stream)):
+        if value is not None and not isinstance(value, TokenStream):
+            raise ConfigError(f"{name} must be a TokenStream, got {type(value).__name__}")
+    check_int(steps, "steps", min=1)
+    check_int(batch, "batch", min=1, hint=" (windows per training step)")
+    check_int(seq_len, "seq_len", min=1, hint=" (tokens per training window)")
+    check_int(ttt_steps, "ttt_steps", min=1, hint=" (draft steps unrolled in training-time test)")
+    check_int(draft_vocab, "draft_vocab", min=1, max=target.config.vocab_size, none_ok=True)
+    check_int(seed, "seed", min=0)
+    check_int(eval_every, "eval_every", min=0)
+    check_int(log_every, "log_every", min=1)
+    check_choice(attention, "attention", ATTENTION)
+    if aux_layers is not None:
+        if isinstance(aux_layers, (str, bytes)) or not hasattr(aux_layers, "__iter__"):
+            raise ConfigError(f"aux_layers must be a sequence of target layer indices, got {aux_layers!r}")
+        n = target.config.num_hidden_layers
+        for a in aux_layers:
+            check_int(a, "aux_layers entry", min=0, max=n - 1, hint=f" (the target has {n} layers)")
+
+
 def export_draft(out: str | Path, cfg: DraftConfig, params: dict, *, dtype: str = "bfloat16",
                  history: list[dict] | None = None) -> Path:
     """Write the draft in the SpecForge / vLLM EAGLE-3 layout (+ ``training_history.json``)."""
@@ -195,64 +236,113 @@ def read_texts(paths: list[str], field: str = "text") -> list[str]:
     """Documents from text files (one document per file) and JSONL files (one per line, ``field`` key)."""
     texts = []
     for p in map(Path, paths):
-        if not p.exists():
-            raise InputError(f"data file {p} does not exist")
+        text = read_text(p, "data file")
         if p.suffix == ".jsonl":
-            for i, line in enumerate(p.read_text().splitlines()):
+            for i, line in enumerate(text.splitlines()):
                 if line.strip():
                     try:
-                        texts.append(str(json.loads(line)[field]))
-                    except (json.JSONDecodeError, KeyError) as exc:
-                        raise InputError(f"{p}:{i + 1}: not a JSON object with a {field!r} field ({exc})") from exc
+                        row = json.loads(line)
+                        texts.append(str(row[field]))
+                    except (json.JSONDecodeError, KeyError, TypeError, IndexError) as exc:
+                        raise InputError(f"{p}:{i + 1}: not a JSON object with a {field!r} field "
+                                         f"({type(exc).__name__}: {exc})") from None
         else:
-            texts.append(p.read_text())
+            texts.append(text)
     if not texts:
         raise InputError("no training text found")
     return texts
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m diffspec_jax.train_draft", description=__doc__.split("\n")[0])
+def _aux_arg(text: str) -> tuple[int, ...]:
+    import argparse
+
+    try:
+        ids = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        ids = ()
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"wants comma-separated layer indices >= 0 such as 0,2,3, got {text!r}")
+    return ids
+
+
+def build_parser() -> ArgumentParser:
+    """The CLI's parser (usage errors: one line, exit status 2)."""
+    ap = ArgumentParser(prog="python -m diffspec_jax.train_draft", description=__doc__.split("\n")[0])
     ap.add_argument("--target", required=True, help="target directory (HF or Orbax) with a tokenizer")
     ap.add_argument("--data", nargs="+", required=True, help="text files and/or JSONL files")
     ap.add_argument("--eval-data", nargs="*", default=None)
     ap.add_argument("--jsonl-field", default="text")
-    ap.add_argument("--out", required=True, help="export directory (EAGLE-3 layout)")
-    ap.add_argument("--ckpt-dir", default=None, help="Orbax checkpoints (resumable; default OUT/checkpoints)")
+    ap.add_argument("--out", required=True, help="export directory (EAGLE-3 layout); written to OUT.partial first")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a non-empty --out that no diffspec tool wrote (its contents are moved to "
+                         "OUT.replaced-<time>, nothing is deleted)")
+    ap.add_argument("--ckpt-dir", default=None,
+                    help="Orbax checkpoints (resumable; default OUT.partial/checkpoints, moved to OUT/checkpoints)")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--draft-vocab", type=int, default=None)
-    ap.add_argument("--aux-layers", default=None, help="comma-separated HF hidden_states indices")
+    ap.add_argument("--aux-layers", type=_aux_arg, default=None, help="comma-separated HF hidden_states indices")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=200)
-    ap.add_argument("--attention", default="flash" if jax.default_backend() == "gpu" else "dense")
+    ap.add_argument("--attention", default="flash" if jax.default_backend() == "gpu" else "dense", choices=ATTENTION)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def check_cli_args(args) -> None:
+    """The CLI's numeric options, checked before anything is loaded or written."""
+    check_int(args.steps, "--steps", min=1)
+    check_int(args.batch, "--batch", min=1, hint=" (windows per training step)")
+    check_int(args.seq_len, "--seq-len", min=1, hint=" (tokens per training window)")
+    check_int(args.ttt_steps, "--ttt-steps", min=1)
+    check_int(args.draft_vocab, "--draft-vocab", min=1, none_ok=True)
+    check_real(args.lr, "--lr", min=0.0, min_open=True)
+    check_int(args.warmup, "--warmup", min=0)
+    check_int(args.eval_every, "--eval-every", min=0)
+    check_int(args.seed, "--seed", min=0)
+    if not args.jsonl_field:
+        raise ConfigError("--jsonl-field must name a field of the JSONL rows, got ''")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         from transformers import AutoTokenizer
 
+        from checkpoints_tools.hf import check_dir
+        from diffspec_jax.outdir import OutputDir
         from diffspec_jax.target import load_target
 
+        check_cli_args(args)
+        check_dir(args.target)
+        inputs = [args.target, *args.data, *(args.eval_data or []), args.ckpt_dir]
+        out = OutputDir(args.out, tool=TOOL, inputs=inputs, overwrite=args.overwrite, resume=True)
+        out.check()  # refusals first, before anything is loaded or written
+        texts = read_texts(args.data, args.jsonl_field)
+        eval_texts = read_texts(args.eval_data, args.jsonl_field) if args.eval_data else None
         target = load_target(args.target, dtype="float32")
-        tok = AutoTokenizer.from_pretrained(args.target)
+        try:
+            tok = AutoTokenizer.from_pretrained(args.target)
+        except Exception as exc:  # transformers raises many types for a missing or damaged tokenizer
+            raise InputError(f"--target {args.target}: cannot load its tokenizer ({type(exc).__name__}: {exc}); "
+                             f"the target directory needs tokenizer files") from exc
         eos = tok.eos_token_id if tok.eos_token_id is not None else 0
         enc = lambda texts: [np.asarray(tok(t)["input_ids"], np.int32) for t in texts]  # noqa: E731
-        stream = TokenStream(enc(read_texts(args.data, args.jsonl_field)), eos)
-        eval_stream = TokenStream(enc(read_texts(args.eval_data, args.jsonl_field)), eos) if args.eval_data else None
-        aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
-        cfg, params, history = train_draft(
-            target, stream, steps=args.steps, batch=args.batch, seq_len=args.seq_len, ttt_steps=args.ttt_steps,
-            draft_vocab=args.draft_vocab, aux_layers=aux,
-            optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps),
-            ckpt_dir=args.ckpt_dir or Path(args.out) / "checkpoints", seed=args.seed, attention=args.attention,
-            eval_stream=eval_stream, eval_every=args.eval_every if eval_stream else 0)
-        export_draft(args.out, cfg, params, history=history)
-    except DiffspecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        stream = TokenStream(enc(texts), eos)
+        eval_stream = TokenStream(enc(eval_texts), eos) if eval_texts else None
+        with out as work:
+            cfg, params, history = train_draft(
+                target, stream, steps=args.steps, batch=args.batch, seq_len=args.seq_len, ttt_steps=args.ttt_steps,
+                draft_vocab=args.draft_vocab, aux_layers=args.aux_layers,
+                optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps),
+                ckpt_dir=args.ckpt_dir or work / "checkpoints", seed=args.seed, attention=args.attention,
+                eval_stream=eval_stream, eval_every=args.eval_every if eval_stream else 0)
+            export_draft(work, cfg, params, history=history)
+    except (DiffspecError, OSError) as exc:
+        return report_error(exc)
     print(json.dumps(history[-1]))
     return 0
 

@@ -22,11 +22,19 @@ Steps, all recorded in ``DIR/model_card.json``:
    ``diffspec`` policies, mean acceptance length and decode speed beside target-only decoding in the same run, a
    check that every output equals target-only output, and for ``recall`` how much of the file the target copies;
 6. the demo prompt: the opening of a held-out module (``argparse``), >= 8K tokens.
+
+Every setting is checked before anything is read or written. ``--out`` is written safely
+(:class:`diffspec_jax.outdir.OutputDir`): into ``OUT.partial`` (kept if the build fails), renamed into place at the
+end with ``diffspec_manifest.json`` digests in ``OUT``, ``OUT/target`` and ``OUT/draft`` (``load_target`` /
+``load_draft`` verify them). A non-empty ``--out`` is refused unless an earlier build wrote it or ``--overwrite``
+is given (the old contents are then moved to ``OUT.replaced-<time>``; nothing is deleted), and so is an ``--out``
+equal to, inside or around ``--init-target``. Exit status (``python -m``): 0 = built, 2 = usage error, 1 = other.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -42,9 +50,14 @@ from diffspec_jax.corpus import (DEMO_PROMPT_PACKAGE, HELD_OUT, WORKLOADS, LineD
                                  copied_fraction, encode_documents, held_out_prompts, train_tokenizer)
 from diffspec_jax.errors import CheckpointError, ConfigError
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
+from diffspec_jax.validation import ArgumentParser, check_choice, check_int, run_main
 
 CONTEXTS = (2048, 8192, 16384)
 POLICIES = ("full", "recent", "diffspec")
+TOOL = "diffspec_jax.demo.build"
+ATTENTION = ("dense", "flash")
+#: a byte-level BPE holds the 256 byte tokens and 2 special tokens before any merge
+MIN_VOCAB = 258
 
 
 def demo_target_config(vocab: int, eos: int, max_len: int) -> ModelConfig:
@@ -225,9 +238,13 @@ def model_card_markdown(card: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m diffspec_jax.demo.build", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True)
+def build_parser() -> ArgumentParser:
+    """The build's parser (usage errors: one line, exit status 2)."""
+    ap = ArgumentParser(prog="python -m diffspec_jax.demo.build", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="output directory (written to OUT.partial, then renamed)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a non-empty --out that no build wrote (its contents are moved to "
+                         "OUT.replaced-<time>, nothing is deleted)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=16384)
     ap.add_argument("--target-steps", type=int, default=600)
@@ -252,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--attention", default="flash" if jax.default_backend() == "gpu" else "dense")
+    ap.add_argument("--attention", default="flash" if jax.default_backend() == "gpu" else "dense", choices=ATTENTION)
     ap.add_argument("--max-files", type=int, default=None, help="small corpora for smoke tests")
     ap.add_argument("--extra-packages", default="", help="comma-separated installed packages whose sources join the "
                                                          "training split (e.g. transformers,torch)")
@@ -262,22 +279,70 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)), help="evaluation context lengths")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="evaluation workloads")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    # settings checked before anything is cleared (each raises ConfigError naming the bad value)
+    return ap
+
+
+def check_settings(args) -> tuple[list[int], list[str]]:
+    """Every setting of the build, checked before anything is read or written (a :class:`ConfigError` naming the
+    first bad one). Returns the evaluation contexts and workloads."""
     TokenStream([], 0, recall_fraction=args.recall_fraction, recall_span=args.recall_span,
                 recall_noise=args.recall_noise, recall_distance=args.recall_distance)
     if args.dedup_lines is not None:
         LineDeduplicator(args.dedup_lines)
-    params, init = None, None
+    check_int(args.vocab, "--vocab", min=MIN_VOCAB, hint=" (the 256 byte tokens and 2 special tokens at least)")
+    for name in ("seq_len", "target_steps", "target_batch", "draft_steps", "draft_batch", "draft_seq_len",
+                 "eval_new_tokens", "eval_prompts", "k", "budget", "chunk"):
+        check_int(getattr(args, name), "--" + name.replace("_", "-"), min=1)
+    check_int(args.draft_vocab, "--draft-vocab", min=1, max=None if args.init_target else args.vocab,
+              hint="" if args.init_target else f" (at most --vocab {args.vocab})")
+    check_int(args.max_files, "--max-files", min=1, none_ok=True)
+    check_int(args.seed, "--seed", min=0)
+    check_choice(args.attention, "--attention", ATTENTION)
+    from diffspec_jax.config import SpecConfig
+
+    for policy in POLICIES:  # the evaluation's settings
+        SpecConfig(num_speculative_tokens=args.k, draft_context_policy=policy, diffspec_chunk_size=args.chunk,
+                   diffspec_token_budget=args.budget)
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        contexts = []
+    if not contexts or min(contexts) < 1:
+        raise ConfigError(f"--contexts wants comma-separated positive context lengths such as 2048,8192, got "
+                          f"{args.contexts!r}")
+    workloads = args.workloads.split(",")
+    for w in workloads:
+        check_choice(w, "--workloads entry", WORKLOADS)
+    for name in (x for x in args.extra_packages.split(",") if x):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"--extra-packages: {name!r} is not an installed package directory")
+    return contexts, workloads
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build the pair into ``--out``. Deliberate errors are raised (``python -m`` prints them as one line)."""
+    from diffspec_jax.outdir import OutputDir
+
+    args = build_parser().parse_args(argv)
+    contexts, workloads = check_settings(args)  # nothing read or written yet
+    target_out = OutputDir(args.out, tool=TOOL, inputs=[args.init_target], overwrite=args.overwrite,
+                           manifests=("target", "draft", "."), keep_on_error=True)
+    target_out.check()  # refusals (an --out to keep, --init-target inside it) before the init target is read
+    params, init, init_tok = None, None, None
     if args.init_target:
-        init_path = Path(args.init_target).resolve()
-        if out.resolve() == init_path or out.resolve() in init_path.parents:
-            raise ConfigError(f"--init-target {args.init_target} lies inside --out {out} (or is it), which the "
-                              "build clears")
         init_tok, params, init = initial_target(args.init_target)
-    if out.exists():
-        shutil.rmtree(out)
+    with target_out as out:
+        seconds = _build(args, argv, out, contexts, workloads, params, init, init_tok)
+    print(f"built the demo pair in {args.out} ({seconds:.0f} s)")
+    return 0
+
+
+def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], params, init, init_tok) -> float:
+    """The build's steps, writing into ``out`` (the partial directory); returns the build's seconds."""
     (out / "target").mkdir(parents=True)
     t_start = time.perf_counter()
     card: dict = {"commands": {"build": "python -m diffspec_jax.demo.build " + " ".join(argv or sys.argv[1:])},
@@ -374,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     eval_docs = [e for e in held_enc if e.name != DEMO_PROMPT_PACKAGE]
     prompts = {(w, ctx): held_out_prompts(eval_docs, ctx, args.eval_prompts, args.seed + 7 + ctx, w,
                                           new_tokens=args.eval_new_tokens)
-               for w in args.workloads.split(",") for ctx in (int(c) for c in args.contexts.split(","))}
+               for w in workloads for ctx in contexts}
     try:
         card["acceptance"] = evaluate(target, draft, prompts, args.eval_new_tokens, args.k, args.budget, args.chunk)
     except Exception as exc:  # keep the trained pair even if evaluation breaks; record why
@@ -385,13 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     card["eval"] = {"prompts_per_context": args.eval_prompts, "new_tokens": args.eval_new_tokens, "k": args.k,
                     "budget": args.budget, "chunk": args.chunk, "greedy": True,
                     "prompt_source": "held-out packages other than argparse; workloads: "
-                                     + ", ".join(args.workloads.split(","))}
+                                     + ", ".join(workloads)}
     card["build_seconds"] = time.perf_counter() - t_start
     (out / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
     (out / "MODEL_CARD.md").write_text(model_card_markdown(card))
-    print(f"built the demo pair in {out} ({card['build_seconds']:.0f} s)")
-    return 0
+    return card["build_seconds"]
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_main(main))

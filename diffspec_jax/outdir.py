@@ -1,0 +1,345 @@
+"""Safe output directories and SHA-256 manifests, shared by every tool that writes a directory.
+
+:class:`OutputDir` is how ``checkpoints_tools.convert``, ``python -m diffspec_jax.train_draft`` and
+``python -m diffspec_jax.demo.build`` write their ``--out``:
+
+* the checks come first, before anything is written: ``--out`` may not be an input, lie inside one or contain
+  one; a non-empty ``--out`` is refused unless a diffspec tool wrote it (its manifest lists every file in it,
+  digests matching) or ``--overwrite`` is given;
+* the tool writes into a sibling ``<out>.partial`` (marked as ours by a ``.diffspec_partial`` file), so a failed
+  run never leaves a half-written ``--out``; on success the manifests are written and the directory is renamed
+  into place (one ``rename`` on the same file system);
+* nothing the tool did not write is ever deleted: a previous output of a diffspec tool is replaced, anything else
+  (only with ``--overwrite``) is moved aside to ``<out>.replaced-<time>``.
+
+Manifest format (``diffspec_manifest.json``, JSON)::
+
+    {"format": "diffspec-manifest", "version": 1, "tool": "checkpoints_tools.convert", "algorithm": "sha256",
+     "files": {"config.json": {"bytes": 812, "sha256": "<64 hex>"}, "params/manifest.ocdbt": {...}, ...},
+     "self_sha256": "<64 hex>"}
+
+``files`` lists every file of the directory (paths relative to it, ``/``-separated) except the manifest;
+``self_sha256`` is the SHA-256 of the manifest's other fields (canonical JSON: sorted keys, no spaces), so a
+damaged manifest is detected too. :func:`verify_manifest` checks a directory against its manifest
+(``load_target`` / ``load_draft`` do when one is present, ``checkpoints_tools.inspect --verify`` on demand).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterable
+
+from diffspec_jax.errors import IntegrityError, OutputDirError
+
+MANIFEST = "diffspec_manifest.json"
+MANIFEST_FORMAT = "diffspec-manifest"
+PARTIAL_MARKER = ".diffspec_partial"
+
+
+def sha256_file(path: str | Path, block: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _files_under(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def write_manifest(directory: str | Path, tool: str) -> Path:
+    """Write ``directory/diffspec_manifest.json`` listing (size, SHA-256) every file under ``directory``."""
+    directory = Path(directory)
+    files = {}
+    for p in _files_under(directory):
+        rel = p.relative_to(directory).as_posix()
+        if rel in (MANIFEST, PARTIAL_MARKER):
+            continue
+        files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    body: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": 1, "tool": tool, "algorithm": "sha256",
+                            "files": files}
+    body["self_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    out = directory / MANIFEST
+    out.write_bytes(_layout(body))
+    return out
+
+
+def _layout(body: dict) -> bytes:
+    """The manifest file's exact bytes (read back byte for byte: a changed space is damage too)."""
+    return (json.dumps(body, indent=1, sort_keys=True, ensure_ascii=True) + "\n").encode()
+
+
+def read_manifest(directory: str | Path) -> dict | None:
+    """The manifest of ``directory`` (``None`` when it has none).
+
+    Raises:
+        IntegrityError: the manifest is unreadable, not the manifest format, or its self digest does not match.
+    """
+    file = Path(directory) / MANIFEST
+    if not file.is_file():
+        return None
+    fix = f"the manifest is damaged: re-create {Path(directory)} with the tool that wrote it"
+    try:
+        raw = file.read_bytes()
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, OSError) as exc:
+        raise IntegrityError(f"{file}: cannot read the manifest ({exc}); {fix}") from None
+    ok = (isinstance(body, dict) and body.get("format") == MANIFEST_FORMAT and body.get("version") == 1
+          and body.get("algorithm") == "sha256" and isinstance(body.get("files"), dict)
+          and isinstance(body.get("self_sha256"), str))
+    if ok:
+        rest = {k: v for k, v in body.items() if k != "self_sha256"}
+        ok = hashlib.sha256(_canonical(rest)).hexdigest() == body["self_sha256"] and raw == _layout(body)
+    if ok:
+        for rel, entry in body["files"].items():
+            parts = PurePosixPath(rel).parts
+            if (not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str)
+                    or not isinstance(entry.get("bytes"), int) or not parts or rel.startswith("/")
+                    or any(part in ("..", "") for part in parts) or "\\" in rel):
+                ok = False
+                break
+    if not ok:
+        raise IntegrityError(f"{file}: not a valid {MANIFEST_FORMAT} (its contents, layout or self digest do not "
+                             f"match); {fix}")
+    return body
+
+
+def verify_manifest(directory: str | Path, *, required: bool = False, skip: Iterable[str] = (),
+                    only: Iterable[str] | None = None) -> dict | None:
+    """Check every file listed in ``directory``'s manifest (size, then SHA-256); return the manifest, or ``None``
+    when there is none (an :class:`IntegrityError` with ``required``).
+
+    ``skip`` / ``only`` restrict the check to some of the listed files (relative paths), so a loader can check
+    the weights first and ``config.json`` once it knows the files fit it.
+
+    Raises:
+        IntegrityError: naming the first file that is missing, of another size or of another digest.
+    """
+    directory = Path(directory)
+    body = read_manifest(directory)
+    if body is None:
+        if required:
+            raise IntegrityError(f"{directory} has no {MANIFEST}: nothing to verify against (compare files with a "
+                                 f"publisher's digests with --expect-sha256 instead)")
+        return None
+    hint = (f"the file is damaged or was changed after {body.get('tool', 'the tool')} wrote it: re-download or "
+            f"re-create the checkpoint (if you changed it on purpose, delete {MANIFEST}, or load with verify=False)")
+    skip = set(skip)
+    only = None if only is None else set(only)
+    for rel, entry in sorted(body["files"].items()):
+        if rel in skip or (only is not None and rel not in only):
+            continue
+        path = directory / rel
+        if not path.is_file():
+            raise IntegrityError(f"{directory}: {rel} is listed in {MANIFEST} but missing; {hint}")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise IntegrityError(f"{directory}: {rel} has {size} bytes, its manifest says {entry['bytes']} "
+                                 f"(truncated or extended); {hint}")
+        digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            raise IntegrityError(f"{directory}: {rel} has SHA-256 {digest}, its manifest says {entry['sha256']}; "
+                                 f"{hint}")
+    return body
+
+
+def written_by_diffspec(directory: str | Path) -> bool:
+    """Every file under ``directory`` is listed in its (valid) manifest with matching size and digest: the
+    directory holds nothing but a diffspec tool's output, which may be replaced."""
+    directory = Path(directory)
+    try:
+        body = read_manifest(directory)
+    except IntegrityError:
+        return False
+    if body is None:
+        return False
+    listed = body["files"]
+    for p in _files_under(directory):
+        rel = p.relative_to(directory).as_posix()
+        if rel == MANIFEST:
+            continue
+        entry = listed.get(rel)
+        if entry is None or p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
+            return False
+    return True
+
+
+def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
+    return {p.relative_to(directory).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in _files_under(directory)}
+
+
+def _resolve(path: str | Path) -> Path:
+    return Path(os.path.abspath(Path(path).expanduser())).resolve()
+
+
+class OutputDir:
+    """Write a tool's output directory safely (see the module docstring).
+
+    Use as a context manager: the checks run on entry, which returns the directory to write into
+    (``<out>.partial``); a clean exit writes the manifests and renames it to ``out``; an exception leaves ``out``
+    as it was (the partial directory is removed, or kept with ``keep_on_error`` / ``resume``).
+
+    Args:
+        out: the output directory (``--out``).
+        tool: the tool's name, recorded in the manifests.
+        inputs: paths the tool reads (``None`` entries are skipped): ``out`` may not be one of them, lie inside one
+            or contain one.
+        overwrite: replace a non-empty ``out`` that no diffspec tool wrote (moved to ``<out>.replaced-<time>``).
+        manifests: subdirectories (relative to ``out``; ``"."`` = ``out`` itself) that get a manifest.
+        resume: keep a partial directory left by an interrupted run of the same tool (training checkpoints there
+            resume), and keep it again when this run fails.
+        keep_on_error: keep the partial directory when the run fails (for inspection; the next run clears it).
+        option: the option name used in messages.
+    Raises:
+        OutputDirError: on entry (nothing written) for an output that would lose or damage files.
+    """
+
+    def __init__(self, out: str | Path, *, tool: str, inputs: Iterable[str | Path | None] = (), overwrite: bool = False,
+                 manifests: Iterable[str] = (".",), resume: bool = False, keep_on_error: bool = False,
+                 option: str = "--out"):
+        self.given = Path(out)
+        self.out = _resolve(out)
+        self.tool, self.overwrite, self.resume, self.keep_on_error = tool, bool(overwrite), resume, keep_on_error
+        self.inputs = [Path(p) for p in inputs if p is not None]
+        self.manifests = sorted(set(manifests), key=lambda s: (-len(Path(s).parts), s))
+        self.option = option
+        self.partial = self.out.parent / f"{self.out.name}.partial"
+        self.replaced: Path | None = None
+        self._existing: str | None = None
+        self._snap: dict | None = None
+        self._checked = False
+
+    # ------------------------------------------------------------------------------------------ checks
+    def check(self) -> None:
+        """Every refusal (no side effects)."""
+        self._existing, self._snap = None, None
+        out, opt = self.out, self.option
+        if out == Path(out.anchor) or not out.name:
+            raise OutputDirError(f"{opt} {self.given} is a file system root; choose a new directory")
+        cwd = _resolve(Path.cwd())
+        if out == cwd or out in cwd.parents:
+            raise OutputDirError(f"{opt} {self.given} contains the current directory, which the output would "
+                                 f"replace; choose a new directory")
+        for given in self.inputs:
+            inp = _resolve(given)
+            if inp == out:
+                raise OutputDirError(f"{opt} {self.given} is the input {given} itself: the output would overwrite "
+                                     f"it (an input may not lie inside {opt}, nor {opt} inside an input); choose "
+                                     f"another {opt}")
+            if inp in out.parents:
+                raise OutputDirError(f"{opt} {self.given} lies inside the input {given}: writing there would change "
+                                     f"the input; choose a directory outside it")
+            if out in inp.parents:
+                raise OutputDirError(f"the input {given} lies inside {opt} {self.given}, which the output replaces; "
+                                     f"choose another {opt} (or move the input out of it)")
+            if inp == self.partial or self.partial in inp.parents:
+                raise OutputDirError(f"the input {given} lies inside {self.partial}, the directory the output is "
+                                     f"written to first; move it or choose another {opt}")
+        if out.exists() and not out.is_dir():
+            raise OutputDirError(f"{opt} {self.given} exists and is not a directory; choose a new directory")
+        if out.is_dir() and any(out.iterdir()):
+            if written_by_diffspec(out):
+                self._existing, self._snap = "ours", _snapshot(out)
+            elif self.overwrite:
+                self._existing = "foreign"
+            else:
+                raise OutputDirError(
+                    f"{opt} {self.given} is not empty and was not written by a diffspec-jax tool (no {MANIFEST} "
+                    f"listing its files); choose a new directory, or pass --overwrite to replace it (its contents are "
+                    f"moved to {out.name}.replaced-<time> beside it; nothing is deleted)")
+        if self.partial.exists():
+            if not self.partial.is_dir():
+                raise OutputDirError(f"{self.partial} (where the output is written first) exists and is not a "
+                                     f"directory; remove it or choose another {opt}")
+            if not (self.partial / PARTIAL_MARKER).exists() and any(self.partial.iterdir()):
+                raise OutputDirError(f"{self.partial} (where the output is written first) exists and was not made by "
+                                     f"a diffspec-jax tool; remove it or choose another {opt}")
+        self._checked = True
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Path:
+        if not self._checked:
+            self.check()
+        if self.partial.exists() and (self.partial / PARTIAL_MARKER).exists() and not self.resume:
+            shutil.rmtree(self.partial)  # an earlier run's partial output (ours: it carries the marker)
+        self.partial.mkdir(parents=True, exist_ok=True)
+        (self.partial / PARTIAL_MARKER).write_text(json.dumps(
+            {"tool": self.tool, "out": str(self.out), "pid": os.getpid(), "started": time.time()}) + "\n")
+        return self.partial
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.commit()
+        else:
+            note = self.abort()
+            if note and isinstance(exc, BaseException):
+                exc.add_note(note)  # shown by tracebacks and by the CLIs' one-line messages
+        return False
+
+    def commit(self) -> Path:
+        """Write the manifests and move the partial directory to ``out``; returns ``out``."""
+        marker = self.partial / PARTIAL_MARKER
+        for sub in self.manifests:
+            d = self.partial / sub
+            if d.is_dir():
+                write_manifest(d, self.tool)
+        marker.unlink(missing_ok=True)
+        out = self.out
+        try:
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            if not out.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(self.partial, out)
+                return out
+            if self._existing == "ours" and _snapshot(out) == self._snap:
+                old = out.parent / f".{out.name}.old-{os.getpid()}"
+                os.rename(out, old)
+                try:
+                    os.rename(self.partial, out)
+                except OSError:
+                    os.rename(old, out)
+                    raise
+                shutil.rmtree(old)  # only files a diffspec tool wrote (checked on entry, unchanged since)
+                return out
+            if self._existing is None and not self.overwrite:
+                raise OutputDirError(f"{self.option} {self.given} was created by someone else while this run wrote "
+                                     f"its output; the output is in {self.partial}")
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            backup = out.parent / f"{out.name}.replaced-{stamp}"
+            n = 1
+            while backup.exists():
+                backup, n = out.parent / f"{out.name}.replaced-{stamp}-{n}", n + 1
+            os.rename(out, backup)
+            os.rename(self.partial, out)
+            self.replaced = backup
+            print(f"note: the previous contents of {self.given} were moved to {backup}", file=sys.stderr)
+            return out
+        except BaseException:
+            if self.partial.exists():
+                marker.write_text(json.dumps({"tool": self.tool, "out": str(self.out)}) + "\n")
+            raise
+
+    def abort(self) -> str | None:
+        """After a failed run: remove the partial directory, or keep it (``resume`` / ``keep_on_error``, when it
+        holds anything) and return a note saying where."""
+        if not self.partial.exists():
+            return None
+        written = [p for p in self.partial.rglob("*") if p.name != PARTIAL_MARKER]
+        if written and (self.resume or self.keep_on_error):
+            what = "run the same command again to continue from it" if self.resume else "the next run replaces it"
+            return f"{self.option} {self.given} is unchanged; the unfinished output is kept in {self.partial} ({what})"
+        shutil.rmtree(self.partial, ignore_errors=True)
+        return None
