@@ -68,6 +68,16 @@ def _check_pow2(name: str, n: int, lo: int = 16) -> None:
         raise ValueError(f"cache_attention: {name} must be a power of two >= {lo}, got {n}")
 
 
+def default_tiling(rows: int) -> tuple[int, int]:
+    """``(block, num_stages)`` for programs of ``rows`` query rows, from the H200 sweep
+    (``benchmarks/gpu_cache_sweep.sh``, Llama-3.1-8B shapes, committed under ``benchmarks/results/``): a decode step
+    (16 rows: G = 4, T = 1) streams best in 64-row tiles with two pipeline stages (64K x 8: 516 us a layer, at the
+    copy bandwidth); a verify step (32 rows: T = 5) needs more bytes in flight per program, 128-row tiles with
+    three stages (64K x 8: 562 us against 690 us with the decode tiling). Programs of more than 64 rows (tree
+    blocks) keep 64-row tiles, whose two stages fit the shared memory beside a large query tile."""
+    return (128, 3) if 16 < rows <= 64 else (64, 2)
+
+
 class Plan(NamedTuple):
     rows: int             # query rows per program (a power of two >= 16)
     row_blocks: int       # programs per KV head and split covering the T x G rows
@@ -76,13 +86,15 @@ class Plan(NamedTuple):
     splits: int           # ranges of tiles per (sequence, KV head): the grid's last axis
 
 
-def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: int, *, block: int = 64,
+def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: int, *, block: int | None = None,
                 splits: int | None = None, max_rows: int = 128) -> Plan:
-    """The static launch parameters :func:`cache_attention` uses for these shapes and knobs (``splits`` is
-    rounded to whole tiles per split: e.g. 66 wanted over 1024 tiles -> 16 tiles per split -> 64 splits)."""
-    _check_pow2("block", block)
+    """The static launch parameters :func:`cache_attention` uses for these shapes and knobs (``block`` default:
+    :func:`default_tiling`; ``splits`` is rounded to whole tiles per split: e.g. 66 wanted over 1024 tiles -> 16
+    tiles per split -> 64 splits)."""
     _check_pow2("max_rows", max_rows)
     rows = min(next_pow2(steps * (q_heads // kv_heads), 16), max_rows)
+    block = default_tiling(rows)[0] if block is None else block
+    _check_pow2("block", block)
     row_blocks = -(-(steps * (q_heads // kv_heads)) // rows)
     block = min(block, next_pow2(seq_len, 16))
     n_tiles = -(-seq_len // block)
@@ -130,13 +142,13 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_bloc
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block", "splits", "max_rows", "num_warps", "num_stages"))
-def cache_attention(q, k, v, lengths, *, scale, block=64, splits=None, max_rows=128, num_warps=None,
-                    num_stages=2):
+def cache_attention(q, k, v, lengths, *, scale, block=None, splits=None, max_rows=128, num_warps=None,
+                    num_stages=None):
     """Attention of new queries over the committed prefix of a heads-first KV cache (see the module docstring
     for shapes, dtypes and semantics).
 
-    Tuning knobs (static): ``block`` cache rows per tile (a power of two >= 16; capped at the cache length rounded
-    up to a power of two), ``splits`` ranges per (sequence, KV head) (default :func:`default_splits`; capped at
+    Tuning knobs (static; ``block`` and ``num_stages`` default to :func:`default_tiling`): ``block`` cache rows
+    per tile (a power of two >= 16; capped at the cache length rounded up to a power of two), ``splits`` ranges per (sequence, KV head) (default :func:`default_splits`; capped at
     the number of tiles), ``max_rows`` query rows per program (a power of two >= 16; more rows take
     several row blocks, each reading the KV once), ``num_warps`` (default 4 up to 64 rows per program, else 8)
     and ``num_stages`` (Triton software pipelining of the tile loop).
@@ -159,7 +171,8 @@ def cache_attention(q, k, v, lengths, *, scale, block=64, splits=None, max_rows=
                    jax.ShapeDtypeStruct((b, hkv, splits, t * group), jnp.float32),
                    jax.ShapeDtypeStruct((b, hkv, splits, t * group), jnp.float32)),
         name="cache_attention",
-        **call_options(num_warps=num_warps or (4 if rows <= 64 else 8), num_stages=num_stages),
+        **call_options(num_warps=num_warps or (4 if rows <= 64 else 8),
+                       num_stages=num_stages or default_tiling(rows)[1]),
     )(q, k, v, lengths)
     # split j saw rows iff it starts before the length (the kernel's n_tiles > 0); the others wrote no output
     live = (jnp.arange(splits) * (tiles_per_split * block))[None, :] < jnp.clip(lengths, 0, s_len)[:, None]

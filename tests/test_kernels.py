@@ -11,7 +11,7 @@ from diffspec_jax.models.layers import NEG_INF, attention_prefix, rope_cos_sin
 from diffspec_jax.retrieval import head_sum_scores
 from diffspec_jax.working_cache import draft_attention_reference, gather_rope_write_reference
 from pallas_kernels import dispatch
-from pallas_kernels.cache_attention import cache_attention, default_splits, launch_plan
+from pallas_kernels.cache_attention import cache_attention, default_splits, default_tiling, launch_plan
 from pallas_kernels.chunk_scores import chunk_scores
 from pallas_kernels.draft_attention import draft_attention
 from pallas_kernels.gather_rope_write import gather_rope_write
@@ -105,6 +105,7 @@ def _cache_inputs(rng, b, t, hq, hkv, s, d, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t, group, s, d, opts", [
     (1, 4, 100, 32, {}),                                          # one split (the default plan at this size)
+    (5, 4, 300, 32, {}),                                          # verify rows: the default 128-row tiles
     (5, 1, 300, 32, dict(block=32, splits=4)),                    # 4 splits of 3 tiles, S not a multiple of 32
     (13, 4, 77, 24, dict(block=16, splits=3, max_rows=16)),       # 4 row blocks of 16 rows, head_dim 24 (padded)
 ])
@@ -134,6 +135,9 @@ def test_cache_attention_split_plan():
     assert (p.rows, p.row_blocks, p.tiles_per_split, p.splits) == (128, 2, 1, 64)
     with pytest.raises(ValueError, match="power of two"):
         launch_plan(1, 1, 8, 2, 100, block=48)
+    # default tiling by query rows per program: decode (16) 64-row tiles, verify (32) 128-row tiles, trees 64
+    assert [default_tiling(r) for r in (16, 32, 64, 128)] == [(64, 2), (128, 3), (128, 3), (64, 2)]
+    assert launch_plan(8, 1, 32, 8, 65536).block == 64 and launch_plan(8, 5, 32, 8, 65536).block == 128
 
 
 def test_dispatch_cache_attention(monkeypatch):
