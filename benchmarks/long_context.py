@@ -427,11 +427,14 @@ def prefill_case(target, ctx: int, batch: int, peak: float, args) -> dict:
 
 @functools.lru_cache(maxsize=1)
 def demo_acceptance() -> dict | None:
-    """Mean acceptance of ``eagle3-full`` and ``diffspec`` on the demo pair at its longest context (paired.py)."""
+    """Mean acceptance of ``eagle3-full``, ``eagle3-recent`` and ``diffspec`` on the demo pair at its longest
+    context (paired.py)."""
     try:
         data = json.loads(DEMO_PAIRED.read_text())
         case = max(data["cases"], key=lambda c: c["context"])
         acc = {m: case["methods"][m]["mean_acceptance_length"]["median"] for m in ("eagle3-full", "diffspec")}
+        if "eagle3-recent" in case["methods"]:
+            acc["eagle3-recent"] = case["methods"]["eagle3-recent"]["mean_acceptance_length"]["median"]
         return {**acc, "context": case["context"], "source": str(DEMO_PAIRED.relative_to(REPO))}
     except (OSError, KeyError, ValueError, TypeError):
         return None

@@ -245,3 +245,25 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
         assert ours == theirs and share == copy_probe.distinct_ngram_share(theirs)
         assert held == copy_probe.distinct_ngram_share(docs[p["doc"]][p["start"] + 300:p["start"] + 312].tolist())
     assert rep["greedy_distinct_share"] == pytest.approx(float(np.mean(rep["per_prompt"]["greedy"])))
+
+
+def test_e2e_benchmark_quick(tmp_path):
+    """benchmarks/e2e.py end to end on tiny shapes: generate() twice per method (the second call compiles
+    nothing), device steps beside it, the targets computed from the rows."""
+    from benchmarks import e2e
+
+    out = tmp_path / "e2e.json"
+    assert e2e.main(["--quick", "--contexts", "128", "--batches", "1", "--new-tokens", "6", "--methods",
+                     "target,diffspec", "--repeats", "1", "--inner", "1", "--iters", "1", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (case,) = data["cases"]
+    rows = {r["method"]: r for r in case["methods"]}
+    assert set(rows) == {"target", "diffspec"} and "error" not in case
+    for r in rows.values():
+        assert r["compile_call"]["compile_s"] > 0 and r["compile_s"] == 0  # the timed call reuses every program
+        assert r["new_tokens_per_sequence"] == 6 and 0 < r["ttft_s"] <= r["wall_s"]
+        assert r["host_syncs"] <= r["cycles"]  # one read per block of cycles, not per cycle
+    assert rows["target"]["decode_s_per_token"] == pytest.approx(rows["target"]["decode_s"] / 5)
+    assert rows["target"]["over_device_step"] == pytest.approx(
+        rows["target"]["decode_s_per_token"] / case["device"]["target_decode_step_s"])
+    assert "projected" in rows["diffspec"] and "target_only_128x1_within_1.05x_device_step" in data["targets"]
