@@ -21,7 +21,7 @@ import numpy as np
 
 from checkpoints_tools import hf, orbax_io
 from diffspec_jax.errors import CheckpointError, DiffspecError, IntegrityError
-from diffspec_jax.validation import ArgumentParser, read_json_object, report_error
+from diffspec_jax.validation import ArgumentParser, one_line, read_json_object, report_error
 
 
 def sha256_file(path: Path, block: int = 1 << 20) -> str:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         info = describe(args.path)
     except (DiffspecError, OSError) as exc:
         if args.verify and isinstance(exc, CheckpointError) and exc.exit_code == 1:
-            print(f"VERIFY FAILED: {exc}", file=sys.stderr)
+            print(f"VERIFY FAILED: {one_line(str(exc))}", file=sys.stderr)
             return 1
         return report_error(exc)
     problems = check_hashes(info, args.expect_sha256)

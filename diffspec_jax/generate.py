@@ -29,7 +29,7 @@ import numpy as np
 from diffspec_jax import engine
 from diffspec_jax.config import SamplingConfig, SpecConfig
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
-from diffspec_jax.validation import ArgumentParser, check_generate_args, read_text, report_error
+from diffspec_jax.validation import ArgumentParser, check_generate_args, check_int, read_text, report_error
 
 
 def default_pair() -> tuple[Path, Path]:
@@ -136,7 +136,7 @@ def build_parser() -> ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from diffspec_jax.draft import load_draft
-    from diffspec_jax.target import load_target
+    from diffspec_jax.target import check_token_ids, load_target
 
     try:
         if args.tp < 1:
@@ -165,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         random_pair = (target_dir / "RANDOM_WEIGHTS.json").exists()
         tok = _tokenizer(target_dir)
         prompt = _prompt_ids(args, tok, target.config.vocab_size)
-        check_generate_args(target.config.vocab_size, seed=args.seed)  # the CLI's own check, whatever generate() does
+        # the CLI's own checks, before anything is printed (whatever generate() checks itself)
+        check_token_ids(prompt, target.config.vocab_size, "the prompt")
+        check_int(args.max_new_tokens, "--max-new-tokens", min=1, error=InputError)
+        check_generate_args(target.config.vocab_size, seed=args.seed)
         stream = _Streamer(tok, enabled=not args.json)
         if random_pair and not args.json:
             print(f"[RANDOM weights in {target_dir}: the tokens are meaningless]", file=sys.stderr)

@@ -33,7 +33,8 @@ def processed_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array
         sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
         probs = jax.nn.softmax(sorted_x, axis=-1)
         before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-        keep = before < sampling.top_p
+        # the most likely token is always kept (a top_p such as 1e-300 is 0 in float32 and would keep none)
+        keep = (before < sampling.top_p).at[..., 0].set(True)
         threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
         x = jnp.where(x < threshold, _MASKED, x)
     return jax.nn.log_softmax(x, axis=-1)

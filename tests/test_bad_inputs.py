@@ -361,3 +361,30 @@ def test_load_target_arguments(tiny_dirs):
         load_target(None)
     with pytest.raises(DiffspecError, match="dtype"):
         load_target(tiny_dirs["llama"], dtype="int8")
+
+
+def test_inspect_exit_codes(tiny_dirs, tmp_path, capsys):
+    from checkpoints_tools import inspect as ckpt_inspect
+
+    assert ckpt_inspect.main([str(tmp_path / "missing")]) == 2  # a usage error: the path typed does not exist
+    assert "does not exist" in one_line_error(capsys.readouterr().err)
+    d = tmp_path / "t"
+    shutil.copytree(tiny_dirs["llama"], d)
+    (d / "model.safetensors").write_bytes(b"\x00" * 7)
+    assert ckpt_inspect.main([str(d)]) == 1  # a damaged checkpoint
+    assert "damaged or incomplete" in one_line_error(capsys.readouterr().err)
+    with pytest.raises(SystemExit) as info:
+        ckpt_inspect.main([str(d), "--bogus"])
+    assert info.value.code == 2 and "unrecognized arguments" in one_line_error(capsys.readouterr().err)
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token():
+    """top_p = 1e-300 is 0 in float32: the processed distribution still keeps the argmax (found by hypothesis)."""
+    from diffspec_jax import sampling
+
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(2, 32)).astype(np.float32))
+    cfg = SamplingConfig(temperature=1.0, top_p=8.8e-306)
+    logp = np.asarray(sampling.processed_logprobs(logits, cfg))
+    top = np.argmax(np.asarray(logits), axis=-1)
+    assert np.allclose(logp[np.arange(2), top], 0.0) and np.isneginf(np.delete(logp[0], top[0])).all()
+    np.testing.assert_array_equal(np.asarray(sampling.choose(jax.random.PRNGKey(0), logits, cfg)), top)

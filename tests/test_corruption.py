@@ -4,6 +4,7 @@ safetensors or Orbax read error is a CheckpointError naming the file. The sweeps
 file of a tiny Hugging Face and a tiny Orbax checkpoint."""
 
 import json
+import os
 import shutil
 import struct
 
@@ -20,6 +21,11 @@ from diffspec_jax import load_draft, load_target
 from diffspec_jax.errors import CheckpointError, DiffspecError, IntegrityError
 from diffspec_jax.outdir import MANIFEST
 from diffspec_jax.target import MAX_ABS_WEIGHT, check_finite
+
+
+#: DIFFSPEC_HYPOTHESIS_SCALE=20 runs 20x the examples (a deeper local search; CI keeps the default 1)
+SCALE = int(os.environ.get("DIFFSPEC_HYPOTHESIS_SCALE", "1"))
+SETTINGS = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +208,7 @@ def test_deleting_any_file_is_caught(ckpts, tmp_path, kind):
     load_target(d, "float32")
 
 
-@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40 * SCALE, **SETTINGS)
 @given(data=st.data())
 def test_damage_without_a_manifest_is_a_named_error_or_a_value_change(ckpts, tmp_path, data):
     """A checkpoint without manifest (as downloaded): damage to the safetensors header or config.json is a named
@@ -227,7 +233,7 @@ def test_damage_without_a_manifest_is_a_named_error_or_a_value_change(ckpts, tmp
     assert not truncate or not raw[pos:].strip()
 
 
-@settings(max_examples=30, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30 * SCALE, **SETTINGS)
 @given(data=st.data())
 def test_exponent_flips_in_weights_are_caught_without_a_manifest(ckpts, tmp_path, data):
     """Flipping the high exponent bit of a float32 weight of magnitude in (1e-20, 2) multiplies it by 2^128
