@@ -154,7 +154,7 @@ def plot(payload: dict, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    cases = [c for c in payload["cases"] if c["batch"] == 1]
+    cases = sorted((c for c in payload["cases"] if c["batch"] == 1 and "device" in c), key=lambda c: c["context"])
     if not cases:
         return None
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -221,7 +221,12 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="start no case after this many seconds")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/e2e.json")
+    ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        path = Path(args.plot_only)
+        print(plot(json.loads(path.read_text()), path.with_suffix(".png")))
+        return 0
     methods = [m for m in args.methods.split(",") if m]
     if set(methods) - set(METHODS):
         ap.error(f"--methods takes names of {METHODS}, got {args.methods!r}")
