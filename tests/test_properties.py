@@ -119,37 +119,61 @@ def test_check_generate_args_works_or_raises_input_error(**kw):
     assert got.stop_token_ids is None or all(type(t) is int and 0 <= t < 256 for t in got.stop_token_ids)
 
 
+class _Handle:
+    """A fixture value with a short repr (hypothesis prints the arguments of a failing example)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "<tiny llama target>"
+
+
+@pytest.fixture(scope="module")
+def tiny_target(targets):
+    return _Handle(targets["llama"])
+
+
+NOT_INT = st.one_of(st.none(), st.booleans(), st.text(max_size=3), st.floats(allow_nan=True, allow_infinity=True),
+                   st.lists(st.integers(0, 3), max_size=2), st.just(object()))
+#: per generate() argument: values that must work, and values that must be refused with a named error
+VALID = dict(max_new_tokens=st.sampled_from([3, 2]), seed=st.integers(-(2 ** 63), 2 ** 63 - 1),
+             stop_token_ids=st.one_of(st.none(), st.just(()), st.lists(st.integers(0, 255), max_size=2)),
+             max_cache_len=st.sampled_from([None, 64]), prefill_chunk=st.sampled_from([512, 16]),
+             on_tokens=st.one_of(st.none(), st.just(lambda i, ids: None)))
+INVALID = dict(
+    max_new_tokens=st.one_of(st.integers(-3, 0), NOT_INT.filter(lambda x: x is not None)),
+    seed=st.one_of(st.integers(2 ** 63, 2 ** 70), st.integers(-(2 ** 70), -(2 ** 63) - 1), NOT_INT),
+    stop_token_ids=st.one_of(st.text(min_size=1, max_size=2), st.integers(0, 9), st.lists(st.one_of(
+        st.integers(256, 400), st.integers(-5, -1), st.floats(), st.text(max_size=1), st.booleans()), min_size=1,
+        max_size=2), st.floats(), st.just(object())),
+    max_cache_len=st.one_of(st.integers(-2, 0), NOT_INT.filter(lambda x: x is not None)),
+    prefill_chunk=st.one_of(st.integers(-3, 0), NOT_INT),
+    on_tokens=st.one_of(st.integers(), st.text(max_size=2), st.floats()))
+
+
 @pytest.mark.xfail(strict=False, reason="check_generate_args not yet wired into engine.generate")
 @settings(max_examples=30 * SCALE, phases=(Phase.explicit, Phase.reuse, Phase.generate),  # no shrinking
           **SETTINGS)
-@given(max_new_tokens=st.one_of(st.just(3), st.integers(-1, 0), GARBAGE),
-       seed=st.one_of(st.integers(-(2 ** 64), 2 ** 64), GARBAGE),
-       stop_token_ids=st.one_of(st.none(), st.just(()), st.lists(st.one_of(st.integers(-3, 300), GARBAGE),
-                                                                 max_size=2), st.text(max_size=2), GARBAGE),
-       max_cache_len=st.one_of(st.none(), st.just(64), st.integers(-2, 4), GARBAGE),
-       prefill_chunk=st.one_of(st.sampled_from([512, 16]), st.integers(-3, 0), GARBAGE),
-       on_tokens=st.one_of(st.none(), st.just(lambda i, ids: None), GARBAGE),
+@given(data=st.data(), broken=st.sampled_from([None] + sorted(VALID)),
        sampling=st.sampled_from([SamplingConfig(), SamplingConfig(temperature=0.7, top_k=5)]))
-def test_generate_works_or_raises_a_named_error(targets, max_new_tokens, seed, stop_token_ids, max_cache_len,
-                                                prefill_chunk, on_tokens, sampling):
+def test_generate_works_or_raises_a_named_error(tiny_target, data, broken, sampling):
+    """Valid arguments generate; any one invalid argument is refused with a named error (never run with a wrong
+    meaning, never another exception)."""
     from diffspec_jax import generate
 
+    kw = {name: data.draw(strategy, label=name) for name, strategy in VALID.items()}
+    if broken is not None:
+        kw[broken] = data.draw(INVALID[broken], label=f"invalid {broken}")
     try:
-        res = generate(targets["llama"], None, [[3, 4, 5]], max_new_tokens=max_new_tokens, seed=seed,
-                       stop_token_ids=stop_token_ids, max_cache_len=max_cache_len, prefill_chunk=prefill_chunk,
-                       on_tokens=on_tokens, sampling=sampling)
+        res = generate(tiny_target.value, None, [[3, 4, 5]], sampling=sampling, **kw)
     except DiffspecError:
+        assert broken is not None, kw
         return
-    # it ran: then every argument was valid (an invalid one must be refused, not run with a wrong meaning)
-    is_int = lambda x, lo, hi=2 ** 63 - 1: isinstance(x, int) and not isinstance(x, bool) and lo <= x <= hi  # noqa
-    assert is_int(max_new_tokens, 1) and is_int(seed, -(2 ** 63)) and is_int(prefill_chunk, 1)
-    assert max_cache_len is None or is_int(max_cache_len, 1)
-    assert stop_token_ids is None or (isinstance(stop_token_ids, (list, tuple))
-                                      and all(is_int(t, 0, 255) for t in stop_token_ids))
-    assert on_tokens is None or callable(on_tokens)
+    assert broken is None, f"generate() accepted {broken}={kw[broken]!r}"
     out = res.tokens[0]
-    assert 1 <= len(out) <= max_new_tokens and all(0 <= t < 256 for t in out)
-    stops = set((2,) if stop_token_ids is None else stop_token_ids)
+    assert 1 <= len(out) <= kw["max_new_tokens"] and all(0 <= t < 256 for t in out)
+    stops = set((2,) if kw["stop_token_ids"] is None else kw["stop_token_ids"])
     assert not any(t in stops for t in out[:-1])  # generation stopped at the first stop token
 
 
