@@ -838,16 +838,21 @@ def _cadence_record(plan: Plan, cad: Cadence, due, anchors, root) -> Cadence:
                    prev_sum=prev_sum, prev_n=prev_n, selected=jnp.where(due[:, None], sel, prev))
 
 
-def _cadence_step(plan: Plan, tparams, dparams, state: DecodeState, cad: Cadence, active, m):
-    """After a cycle: book it (:meth:`RetrievalControl.observe` and ``due``) and retrieve for the due rows (under
-    ``lax.cond``: cycles with no due row skip the scoring). Returns ``(state, cadence, due [B])``."""
-    spec = plan.spec
-    root = state.length - 1
+def _cadence_due(plan: Plan, cad: Cadence, active, m, root) -> tuple[Cadence, jax.Array]:
+    """:meth:`RetrievalControl.observe` (``m + 1`` emitted) and :meth:`RetrievalControl.due` for the active rows
+    after a cycle that left root ``root``; returns the cadence and ``due`` bool ``[B]``."""
     a = active.astype(jnp.int32)
     since = cad.since + a
     cad = cad.replace(accept_sum=cad.accept_sum + jnp.where(active, m + 1, 0), accept_n=cad.accept_n + a,
                       since=since)
-    due = active & (since >= cad.interval) & (root > spec.history_budget)
+    return cad, active & (since >= cad.interval) & (root > plan.spec.history_budget)
+
+
+def _cadence_step(plan: Plan, tparams, dparams, state: DecodeState, cad: Cadence, active, m):
+    """After a cycle: book it (:func:`_cadence_due`) and retrieve for the due rows (under ``lax.cond``: cycles with
+    no due row skip the scoring). Returns ``(state, cadence, due [B])``."""
+    root = state.length - 1
+    cad, due = _cadence_due(plan, cad, active, m, root)
     old = state.retrieval.anchors
     anchors = jax.lax.cond(
         _any_global(plan, due),
