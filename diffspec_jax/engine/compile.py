@@ -1,0 +1,206 @@
+"""Compilation without surprises: the jitted steps of a plan (:func:`compiled`, ``jit(shard_map(...))`` with a
+mesh), their ahead-of-time compiled versions that time compilation apart (:class:`_Program`), JAX's persistent
+compilation cache (:func:`enable_compilation_cache`) and the cache-capacity buckets (:func:`capacity_bucket`)."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import time
+from types import SimpleNamespace
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from diffspec_jax import sharding
+from diffspec_jax.cache import ATTENTION_TILE, round_capacity
+from diffspec_jax.engine.loop import _block, block_out_specs, loop_specs
+from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
+from diffspec_jax.engine.retrieve import _retrieve
+from diffspec_jax.engine.state import Plan, _init_state, state_specs
+from diffspec_jax.engine.verify import _spec_cycle, _target_cycle, _tree_cycle
+
+#: the environment variable naming JAX's persistent compilation cache directory (``0``: leave the cache off)
+COMPILATION_CACHE_ENV = "DIFFSPEC_COMPILATION_CACHE"
+
+#: programs that take at least this long to compile are written to the persistent cache (JAX's default is 1 s)
+CACHE_MIN_COMPILE_SECS = 0.1
+
+
+def _spec_tree(key):
+    return None if key is None else jax.tree_util.tree_unflatten(key[0], key[1])
+
+
+def param_spec_key(params) -> tuple | None:
+    """A hashable description of how ``params`` are sharded (its tree and each leaf's PartitionSpec)."""
+    if params is None:
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    return treedef, tuple(x.sharding.spec for x in leaves)
+
+
+class _CompileClock:
+    """Seconds spent compiling (tracing, lowering, XLA compilation or a persistent-cache load) in one call."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+
+def _signature(args) -> tuple:
+    """What a compiled executable is specific to: the pytree structure and each leaf's shape, dtype, weak type and
+    sharding (as ``jit``'s own cache keys them)."""
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    return treedef, tuple((x.shape, x.dtype, bool(getattr(x, "weak_type", False)), getattr(x, "sharding", None))
+                          for x in leaves)
+
+
+class _Program:
+    """A jitted step compiled ahead of time (``jit(...).lower(*args).compile()``) the first time it meets an
+    argument signature, so compilation is timed apart from execution.
+
+    Before compiling, the arguments are waited for: the device is then idle, and the wall time of the caller's
+    region minus the compile time is exactly its run time (prefill, decode). The executables of the last
+    ``max_entries`` signatures are kept (they live as long as :func:`compiled`'s entry for the plan).
+    """
+
+    def __init__(self, jitted, max_entries: int = 16):
+        self.jitted = jitted
+        self.max_entries = max_entries
+        self._exe: collections.OrderedDict = collections.OrderedDict()
+
+    def __call__(self, clock: _CompileClock, *args):
+        key = _signature(args)
+        exe = self._exe.get(key)
+        if exe is None:
+            jax.block_until_ready(args)
+            t = time.perf_counter()
+            exe = self.jitted.lower(*args).compile()
+            clock.seconds += time.perf_counter() - t
+            self._exe[key] = exe
+            while len(self._exe) > self.max_entries:
+                self._exe.popitem(last=False)
+        else:
+            self._exe.move_to_end(key)
+        return exe(*args)
+
+
+@functools.lru_cache(maxsize=64)
+def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
+    """The jitted steps of ``plan``: plain ``jit`` without a mesh, ``jit(shard_map(...))`` with one. Cached per
+    plan, so repeated :func:`generate` calls reuse the compilations.
+
+    ``cycle(tparams, dparams, state, active)`` is the K-deep chain (or target-only) cycle; ``cycle_at(d)`` the
+    d-deep chain taking per-sequence depths; ``tree_cycle(tparams, dparams, state, active, caps, budget)`` the tree
+    cycle; ``block(c)`` the device loop of up to ``c`` cycles, ``(tparams, dparams, state, loop, stops, caps,
+    budget) -> (state, loop, BlockOut)`` (state and loop donated). ``programs`` holds the ahead-of-time
+    compiled :class:`_Program` versions :func:`generate` runs: ``prefill_chunk``, ``start_decode``, ``retrieve``,
+    ``block(c)`` and ``init(batch, target_dtype, draft_dtype)`` (``(key) -> DecodeState``).
+    """
+    dp = sharding.DP if plan.dp > 1 else None
+    tp = sharding.TP
+    row, rows2 = P(dp), P(dp, None)
+
+    def make(fn, donate, ins, outs):
+        donate = donate if isinstance(donate, tuple) else (donate,)
+        if plan.mesh is None:
+            return jax.jit(functools.partial(fn, plan), donate_argnums=donate)
+        mapped = jax.shard_map(functools.partial(fn, plan), mesh=plan.mesh, in_specs=ins, out_specs=outs,
+                               check_vma=False)
+        return jax.jit(mapped, donate_argnums=donate)
+
+    mesh = plan.mesh is not None
+    st = state_specs(plan) if mesh else None
+    ls = loop_specs(plan) if mesh else None
+    bo = block_out_specs(plan) if mesh else None
+    tparams, dparams = _spec_tree(tspec_key), _spec_tree(dspec_key)
+    acc = _PrefillAcc(logits=rows2, aux=rows2, score_q=P(dp, tp, None), score_lse=P(dp, tp))
+    cycle_out = (st, rows2, row, row, row)
+    out = SimpleNamespace(
+        prefill_chunk=make(_prefill_chunk, 2, (tparams, dparams, st, acc, rows2, rows2, row, row), (st, acc)),
+        start_decode=make(_start_decode, 0, (st, acc, row), (st, row)),
+        retrieve=make(_retrieve, 2, (tparams, dparams, st, row), (st, P(tp, dp, None))),
+        cycle=make(_spec_cycle if plan.speculative else _target_cycle, 2, (tparams, dparams, st, row), cycle_out))
+    out.cycle_at = functools.lru_cache(maxsize=None)(
+        lambda d: make(functools.partial(_spec_cycle, depth=d), 2, (tparams, dparams, st, row, row), cycle_out))
+    if plan.tree_mode:
+        out.tree_cycle = make(_tree_cycle, 2, (tparams, dparams, st, row, rows2, row), cycle_out + (row,))
+    caps_spec, budget_spec = (rows2, row) if plan.tree_mode else (None, None)
+    out.block = functools.lru_cache(maxsize=None)(
+        lambda c: make(functools.partial(_block, cycles=c), (2, 3),
+                       (tparams, dparams, st, ls, P(), caps_spec, budget_spec), (st, ls, bo)))
+
+    def init(batch, target_dtype, draft_dtype):
+        def fn(key):
+            return _init_state(plan, batch, target_dtype, draft_dtype, 0).replace(rng=key)
+
+        if not mesh:
+            return _Program(jax.jit(fn))
+        return _Program(jax.jit(fn, out_shardings=sharding.named(state_specs(plan), plan.mesh)))
+
+    out.programs = SimpleNamespace(
+        prefill_chunk=_Program(out.prefill_chunk), start_decode=_Program(out.start_decode),
+        retrieve=_Program(out.retrieve), block=functools.lru_cache(maxsize=None)(lambda c: _Program(out.block(c))),
+        init=functools.lru_cache(maxsize=None)(init))
+    return out
+
+
+def compilation_cache_setting(environ=None) -> str | None:
+    """The directory :func:`enable_compilation_cache` points JAX's persistent compilation cache at: the value of
+    ``DIFFSPEC_COMPILATION_CACHE`` when it names a directory, ``None`` (off) when it is ``0`` / ``off`` / ``false``
+    / ``no``, else ``$XDG_CACHE_HOME/diffspec_jax/jax_cache`` (default ``~/.cache/diffspec_jax/jax_cache``)."""
+    env = os.environ if environ is None else environ
+    value = (env.get(COMPILATION_CACHE_ENV) or "").strip()
+    if value.lower() in ("0", "off", "false", "no", "none"):
+        return None
+    if value:
+        return os.path.abspath(os.path.expanduser(value))
+    base = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "diffspec_jax", "jax_cache")
+
+
+@functools.lru_cache(maxsize=1)
+def _jax_cache_config_before() -> tuple[str | None, float]:
+    """JAX's cache directory and minimum compile time as the first :func:`generate` call found them."""
+    return jax.config.jax_compilation_cache_dir, float(jax.config.jax_persistent_cache_min_compile_time_secs)
+
+
+def enable_compilation_cache() -> str | None:
+    """Point JAX's persistent compilation cache at :func:`compilation_cache_setting` (every :func:`generate` call
+    runs this; it changes nothing once applied, and nothing at import time).
+
+    A cache directory the user configured for JAX itself (``jax_compilation_cache_dir`` set before the first
+    ``generate()`` call, or ``JAX_COMPILATION_CACHE_DIR``) is left alone. Otherwise programs that compile in at
+    least :data:`CACHE_MIN_COMPILE_SECS` are kept (JAX's own threshold, 1 s, if the user lowered it already, the
+    lower one), so a new process loads the engine's programs instead of compiling them again. Returns the
+    directory in use (``None``: no persistent cache).
+    """
+    user_dir, user_min = _jax_cache_config_before()
+    if user_dir is not None or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return jax.config.jax_compilation_cache_dir
+    want = compilation_cache_setting()
+    if jax.config.jax_compilation_cache_dir == want:
+        return want
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    jax.config.update("jax_compilation_cache_dir", want)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                      min(user_min, CACHE_MIN_COMPILE_SECS) if want is not None else user_min)
+    cc.reset_cache()  # the cache object is created once per directory: let the next compilation open the new one
+    return want
+
+
+def capacity_bucket(need: int, limit: int | None = None) -> int:
+    """The cache capacity for ``need`` positions: ``need`` rounded up to a quarter-octave step ``2^n x {1, 1.25,
+    1.5, 1.75}`` (at least one attention tile, a whole number of tiles), so nearby prompt lengths share compiled
+    programs (up to 25% more cache memory, about 12% on average; pass ``max_cache_len`` to pin the capacity);
+    never above ``limit`` (what the context window and the verify block can use) unless ``need`` itself is."""
+    if need <= ATTENTION_TILE:
+        width = ATTENTION_TILE
+    else:
+        step = (1 << (need - 1).bit_length()) // 8  # a quarter of the octave below the next power of two
+        width = -(-need // step) * step
+    width = round_capacity(width)
+    if limit is not None:
+        width = min(width, max(round_capacity(need), round_capacity(limit)))
+    return width

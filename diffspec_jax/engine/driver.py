@@ -1,0 +1,450 @@
+"""``generate()``: the host side of decoding.
+
+It validates the request, sizes the cache (:func:`~diffspec_jax.engine.compile.capacity_bucket`), runs the prefill,
+reads the first token, then keeps one device-loop block in flight ahead of the one it reads
+(:func:`~diffspec_jax.engine.loop._block`): per block read it streams the new tokens, replays the per-cycle record
+into the host controllers (:mod:`diffspec_jax.engine.controllers`) and, between blocks, drops finished sequences
+from the batch (compaction).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from diffspec_jax import sharding
+from diffspec_jax.cache import round_capacity
+from diffspec_jax.config import SamplingConfig, SpecConfig
+from diffspec_jax.engine.compile import (_CompileClock, capacity_bucket, compiled, enable_compilation_cache,
+                                         param_spec_key)
+from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
+from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopState, loop_specs
+from diffspec_jax.engine.prefill import _PrefillAcc
+from diffspec_jax.engine.state import Plan
+from diffspec_jax.errors import ConfigError, InputError
+from diffspec_jax.models import ensure_tree_supported
+from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
+from pallas_kernels import dispatch
+
+#: cycles per device-loop block (``generate(block_cycles=None)``): the host reads results, streams tokens and
+#: updates the progress bar once per block, so streaming latency is at most this many cycles (about 0.1 s at 64K
+#: context on an H200), while the host's per-block work (a few ms) hides behind the block in flight
+DEFAULT_BLOCK_CYCLES = 16
+
+#: stop ids are passed as a static-size int32 array padded with -1 to a multiple of this (no recompiles for a
+#: different stop set of similar size)
+STOP_IDS_MULTIPLE = 8
+
+
+@dataclass
+class GenerateStats:
+    """Statistics of one :func:`generate` call (``dataclasses.asdict`` / :meth:`to_dict` give a dict).
+
+    ``mean_acceptance_length`` counts tokens emitted per verification (accepted drafts + 1), over all sequences;
+    ``acceptance_length_per_sequence[i]`` is the same for prompt i alone (None for a prompt that had no
+    verification);
+    ``acceptance_per_position[i]`` counts verifications that accepted draft position i (tree: depth i + 1);
+    ``accepted_depth_histogram[d]`` counts verifications that accepted exactly d drafts; ``drafted_tokens`` counts
+    drafted tokens that could be accepted (chain depth, or tree nodes); ``mean_tree_size`` is the mean number of
+    tree nodes per verification (tree mode); ``drafting`` holds the per-sequence controllers' final state
+    (adaptive depth, or the tree's branching profile and node budget).
+
+    Times (seconds, compilation excluded from all but ``compile_s``): ``compile_s`` is the time this call spent
+    compiling programs (tracing, lowering and XLA compilation, or loading them from the persistent cache; 0 when
+    every program was already compiled in this process); ``ttft_s`` runs from the call to the first generated
+    token being on the host; ``prefill_s`` covers the cache set-up, the prefill, the first token and the
+    retrieval after prefill; ``decode_s`` the device loop until the last token; ``decode_tokens_per_s`` is the
+    tokens decoded after the first one per second of ``decode_s``.
+
+    Device loop: ``block_cycles`` cycles at most per block, ``blocks`` blocks dispatched, ``host_syncs`` reads of
+    results by the host (the first token, the retrieval after prefill, one per block read); ``cache_capacity`` is
+    the cache positions per sequence (:func:`capacity_bucket`).
+
+    ``retrieval`` (DiffSpec) holds the ``retrieval_status`` counters; their ``retrieval_ms`` is the wall time of a
+    standalone retrieval call (the one after prefill, or a probe that changes nothing when none ran), booked for
+    every retrieval call inside the device loop and split over the sequences it served, as the time of each call
+    was split before the loop moved onto the device.
+    """
+
+    num_sequences: int = 0
+    new_tokens: int = 0
+    num_speculative_tokens: int = 0
+    draft_context_policy: str | None = None
+    cycles: int = 0
+    sequence_cycles: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    mean_acceptance_length: float | None = None
+    acceptance_length_per_sequence: list[float | None] = field(default_factory=list)
+    acceptance_per_position: list[int] = field(default_factory=list)
+    verification_mode: str | None = None
+    accepted_depth_histogram: list[int] = field(default_factory=list)
+    mean_tree_size: float | None = None
+    drafting: dict[str, Any] | None = None
+    compile_s: float = 0.0
+    ttft_s: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens_per_s: float | None = None
+    block_cycles: int = 0
+    blocks: int = 0
+    host_syncs: int = 0
+    cache_capacity: int = 0
+    retrieval: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GenerateResult:
+    """``tokens``: the generated ids per prompt (prompt excluded); ``stats``: :class:`GenerateStats`."""
+
+    tokens: list[list[int]]
+    stats: GenerateStats
+
+
+def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: SpecConfig,
+              sampling: SamplingConfig, block_cycles) -> list[list[int]]:
+    if not isinstance(spec, SpecConfig):
+        raise ConfigError(f"spec must be a SpecConfig, got {type(spec).__name__}")
+    if not isinstance(sampling, SamplingConfig):
+        raise ConfigError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if block_cycles is not None and (isinstance(block_cycles, bool) or not isinstance(block_cycles, (int, np.integer))
+                                     or block_cycles < 1):
+        raise ConfigError(f"block_cycles must be an integer >= 1 (or None for the default), got {block_cycles!r}")
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InputError("prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)):
+            raise InputError(f"prompt {i} is text; pass token ids (tokenize first)")
+        if len(p) == 0:
+            raise InputError(f"prompt {i} is empty; every prompt needs at least one token")
+        out.append([int(t) for t in check_token_ids(p, target.config.vocab_size, f"prompt {i}")])
+    if draft is not None:
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ConfigError(f"vocabulary mismatch: draft vocab_size {draft.config.vocab_size} vs target "
+                              f"{target.config.vocab_size}")
+        draft.config.resolve_aux_layers(target.config)
+        if spec.draft_context_policy == "diffspec":
+            spec.scoring_layer(target.config)
+        if spec.tree:
+            ensure_tree_supported(target.config)
+    return out
+
+
+def _put(plan: Plan, tree, specs):
+    """Host arrays onto the device, laid out by ``specs`` when the plan has a mesh."""
+    if plan.mesh is None:
+        return jax.tree_util.tree_map(jnp.asarray, tree)
+    return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(plan.mesh, s)), tree, specs)
+
+
+def _stop_ids(stops: set[int]) -> np.ndarray:
+    """Stop ids as int32 ``[S]`` padded with -1 to a multiple of :data:`STOP_IDS_MULTIPLE` (at least one)."""
+    ids = sorted(int(s) for s in stops)
+    size = max(1, -(-len(ids) // STOP_IDS_MULTIPLE)) * STOP_IDS_MULTIPLE
+    return np.array(ids + [-1] * (size - len(ids)), np.int32)
+
+
+class _Output:
+    """The host's copy of the generated tokens: per-sequence lists, done flags, streaming and the progress bar."""
+
+    def __init__(self, batch: int, real: int, max_new_tokens: int, stops: set[int], on_tokens, bar):
+        self.tokens: list[list[int]] = [[] for _ in range(batch)]
+        self.done = np.arange(batch) >= real
+        self.max_new, self.stops, self.on_tokens, self.bar = max_new_tokens, stops, on_tokens, bar
+
+    def first(self, seq: int, tok: int) -> None:
+        """The prefill's token of sequence ``seq``, which may end it already."""
+        self.add(seq, [tok])
+        self.done[seq] = tok in self.stops or self.max_new <= 1
+
+    def add(self, seq: int, toks: list[int]) -> None:
+        if not toks:
+            return
+        self.tokens[seq].extend(toks)
+        if self.on_tokens is not None:
+            self.on_tokens(seq, toks)
+        if self.bar is not None:
+            self.bar.update(len(toks))
+
+
+def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             spec: SpecConfig = SpecConfig(), sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+             stop_token_ids: Sequence[int] | None = None, max_cache_len: int | None = None,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_tokens: Callable[[int, list[int]], None] | None = None,
+             progress: bool = False, proposer: Callable | None = None, mesh: Mesh | None = None,
+             block_cycles: int | None = None) -> GenerateResult:
+    """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
+
+    Args:
+        target: from :func:`diffspec_jax.load_target`; draft: from :func:`diffspec_jax.load_draft` or ``None``.
+        prompts: a list of token-id lists (lengths may differ).
+        max_new_tokens: exactly this many tokens per prompt unless a stop token comes first.
+        spec: :class:`SpecConfig` (K, draft context policy, DiffSpec settings); ignored without a draft.
+        sampling: :class:`SamplingConfig` (temperature 0 = greedy).
+        seed: sampling seed.
+        stop_token_ids: generation of a sequence stops after one of these (default: the target's EOS ids;
+            ``()`` never stops early).
+        max_cache_len: cache capacity per sequence (default: the longest prompt + max_new_tokens + K + 1, rounded
+            up to a coarse bucket, :func:`capacity_bucket`, so that nearby prompt lengths reuse the compiled
+            programs).
+        on_tokens: called as ``on_tokens(i, new_ids)`` whenever prompt i gains tokens (streaming: once per
+            prompt for the first token, then once per block and prompt).
+        progress: show a progress bar on stderr (updated once per block).
+        proposer: a custom draft function with the signature of :func:`draft_propose` (tests use an oracle).
+        mesh: a ``("dp", "tp")`` mesh from :func:`diffspec_jax.make_mesh` for tensor (and data) parallelism;
+            the draft is sharded like the target or replicated per ``spec.draft_tensor_parallel_size``.
+        block_cycles: decode cycles per device-loop dispatch; the host reads results, streams and updates its
+            controllers once per block. Default :data:`DEFAULT_BLOCK_CYCLES` (16): streaming latency of at most
+            16 cycles. Tree mode with ``hazard`` branching or the adaptive node budget defaults to 1 (those host
+            controllers then change the tree shape every cycle, as they learn); an explicit value there keeps
+            the shape fixed within a block.
+    Returns:
+        :class:`GenerateResult` with ``.tokens`` and ``.stats``.
+    Raises:
+        InputError / ConfigError for bad input (empty prompt, prompt longer than the cache, ...).
+    """
+    t_call = time.perf_counter()
+    prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling, block_cycles)
+    tc = target.config
+    speculative = draft is not None or proposer is not None
+    if proposer is not None and spec.tree:
+        raise ConfigError("a custom proposer drafts chains; it cannot be combined with diffspec_verification_mode="
+                          "'tree'")
+    k = spec.num_speculative_tokens if speculative else 0
+    if spec.tree and speculative:
+        k_block = spec.diffspec_max_tree_nodes  # the tree block occupies max_tree_nodes + 1 cache rows
+    else:
+        k_block = k
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    need = int(lengths.max()) + max_new_tokens + k_block + 1
+    if need - k_block - 1 > tc.max_position_embeddings:
+        raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the target's context window (max_position_embeddings {tc.max_position_embeddings})")
+    if max_cache_len is not None and max_cache_len < need:
+        raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) + "
+                         f"{'max_tree_nodes' if k_block != k else 'K'} + 1 = {need} positions exceed the cache "
+                         f"capacity max_cache_len={max_cache_len}")
+    draft_tp = 1
+    if mesh is not None and draft is not None:
+        tp = sharding.mesh_size(mesh, sharding.TP)
+        draft_tp = tp if spec.draft_tensor_parallel_size is None else spec.draft_tensor_parallel_size
+        if draft_tp not in (1, tp):
+            raise ConfigError(f"draft_tensor_parallel_size must be 1 (replicated draft) or the target's tp={tp}, "
+                              f"got {draft_tp}")
+    capacity = (round_capacity(max_cache_len) if max_cache_len is not None
+                else capacity_bucket(need, tc.max_position_embeddings + k_block + 1))
+    plan = Plan(target=tc, draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
+                aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
+                mesh=mesh, draft_tp=draft_tp, kernels=dispatch.kernel_backend())
+    enable_compilation_cache()
+    stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    tparams, dparams = prepare_params(target, draft, mesh, draft_tp)
+    fns = compiled(plan, param_spec_key(tparams) if mesh is not None else None,
+                   param_spec_key(dparams) if mesh is not None else None)
+    progs = fns.programs
+    real = len(prompts)
+    if plan.dp > 1 and real % plan.dp:  # pad the batch to a multiple of the data-parallel axis with dummy rows
+        prompts = prompts + [prompts[0]] * (plan.dp - real % plan.dp)
+        lengths = np.array([len(p) for p in prompts], np.int32)
+    batch = len(prompts)
+    cycles = block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
+    stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
+                          draft_context_policy=spec.draft_context_policy if draft is not None else None,
+                          verification_mode="tree" if plan.tree_mode else "linear" if speculative else None,
+                          block_cycles=int(cycles), cache_capacity=capacity)
+    ctl = _RetrievalControl(spec, batch) if plan.diffspec else None
+    shape = _ShapeControl(plan, lengths)
+    clock = _CompileClock()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=real * max_new_tokens, unit="tok", leave=False)
+    out = _Output(batch, real, max_new_tokens, stops, on_tokens, bar)
+
+    # ---- prefill, the first token, the retrieval after prefill
+    t0 = time.perf_counter()
+    ddtype = dparams["fc"].dtype if dparams else target.dtype
+    state = progs.init(batch, target.dtype, ddtype)(clock, jax.random.PRNGKey(seed))
+    width, n_chunks = plan_prefill(lengths, prefill_chunk)
+    tokens = pad_prompts(prompts, width * n_chunks + 1)
+    acc = _PrefillAcc(logits=jnp.zeros((batch, tc.vocab_size), jnp.float32),
+                      aux=jnp.zeros((batch, max(1, len(plan.aux_layers) * tc.hidden_size)), target.dtype),
+                      score_q=jnp.zeros((batch, tc.num_attention_heads, tc.head_dim), jnp.float32),
+                      score_lse=jnp.zeros((batch, tc.num_attention_heads), jnp.float32))
+    jl = jnp.asarray(lengths)
+    for c in range(n_chunks):
+        s = c * width
+        state, acc = progs.prefill_chunk(clock, tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
+                                         jnp.asarray(tokens[:, s + 1:s + width + 1]),
+                                         jnp.full((batch,), s, jnp.int32), jl)
+    state, first = progs.start_decode(clock, state, acc, jl)
+    first = np.asarray(first)
+    stats.host_syncs += 1
+    stats.ttft_s = time.perf_counter() - t_call - clock.seconds
+    for b in range(real):
+        out.first(b, int(first[b]))
+    call_ms = None
+    if ctl is not None:
+        state, call_ms = _retrieve_after_prefill(plan, progs, clock, ctl, tparams, dparams, state, lengths, real)
+        stats.host_syncs += 1
+    jax.block_until_ready(state.length)
+    stats.prefill_s = time.perf_counter() - t0 - clock.seconds
+
+    # ---- the device loop, one block in flight ahead of the one the host reads
+    compile_before = clock.seconds
+    t1 = time.perf_counter()
+    rows = np.arange(batch)  # device row -> sequence
+    loop = _put(plan, _loop_init(plan, ctl, shape, out, rows, real, max_new_tokens), loop_specs(plan))
+    stop_arr = _put(plan, _stop_ids(stops), P())
+    program = progs.block(int(cycles))
+    ahead = 1 if plan.host_shaped and cycles == 1 else 2  # blocks in flight: 1 when a block's inputs need the last
+    pending: collections.deque = collections.deque()
+    seq_cycles, seq_accepted = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
+    drafted, hist = np.zeros(batch, np.int64), np.zeros(plan.k + 1, np.int64)
+    host_len = lengths.astype(np.int64).copy()
+    tree_specs = (P(sharding.DP if plan.dp > 1 else None, None), P(sharding.DP if plan.dp > 1 else None))
+    while not out.done.all():
+        while len(pending) < ahead:
+            caps, budget = shape.block_inputs(rows)
+            if caps is not None:
+                caps, budget = _put(plan, (caps, budget), tree_specs)
+            state, loop, res = program(clock, tparams, dparams, state, loop, stop_arr, caps, budget)
+            stats.blocks += 1
+            pending.append((res, rows))
+        res, used = pending.popleft()
+        res = jax.device_get(res)
+        stats.host_syncs += 1
+        stats.cycles += int(res.steps)
+        for r, seq in enumerate(used):
+            seq_cycles[seq] += int(res.cycles[r])
+            seq_accepted[seq] += int(res.accepted[r])
+            drafted[seq] += int(res.drafted[r])
+            out.add(seq, res.tokens[r, : int(res.new[r])].tolist())
+            out.done[seq] = out.done[seq] or bool(res.done[r])
+        hist += res.hist.sum(axis=0)
+        if res.record is not None:
+            _replay(res.record, int(res.steps), used, host_len, shape, ctl, call_ms)
+        live = ~out.done[rows]
+        if live.any():  # compact: finished sequences stop costing work (the next dispatch runs the smaller batch)
+            size = 1 << (int(live.sum()) - 1).bit_length()
+            size = -(-size // plan.dp) * plan.dp
+            if size <= len(rows) // 2:
+                fill = np.nonzero(~live)[0][: size - int(live.sum())]
+                order = np.concatenate([np.nonzero(live)[0], fill]).astype(np.int64)
+                state, loop = state.take(order), loop.take(order)
+                rows = rows[order]
+    # blocks still in flight started after every sequence had finished: they ran no cycle
+    jax.block_until_ready((state.length, loop.done))
+    stats.decode_s = time.perf_counter() - t1 - (clock.seconds - compile_before)
+    stats.compile_s = clock.seconds
+    if bar is not None:
+        bar.close()
+    stats.new_tokens = sum(len(o) for o in out.tokens)
+    stats.sequence_cycles, stats.accepted_tokens = int(seq_cycles.sum()), int(seq_accepted.sum())
+    stats.drafted_tokens = int(drafted.sum())
+    stats.accepted_depth_histogram = [int(x) for x in hist]
+    stats.acceptance_per_position = [int(hist[i + 1:].sum()) for i in range(k)]
+    stats.mean_tree_size = stats.drafted_tokens / stats.sequence_cycles if plan.tree_mode and stats.sequence_cycles \
+        else None
+    stats.drafting = shape.report(real)
+    if stats.sequence_cycles:
+        stats.mean_acceptance_length = (stats.accepted_tokens + stats.sequence_cycles) / stats.sequence_cycles
+    stats.acceptance_length_per_sequence = [float((a + c) / c) if c else None
+                                            for a, c in zip(seq_accepted[:real], seq_cycles[:real])]
+    decoded = stats.new_tokens - real  # the first token of each sequence comes from prefill
+    stats.decode_tokens_per_s = decoded / stats.decode_s if stats.decode_s > 0 and decoded > 0 else None
+    if ctl is not None:
+        stats.retrieval = ctl.status(real)
+    return GenerateResult(tokens=out.tokens[:real], stats=stats)
+
+
+def _loop_init(plan: Plan, ctl, shape: _ShapeControl, out: _Output, rows: np.ndarray, real: int,
+               max_new_tokens: int) -> LoopState:
+    """The :class:`LoopState` of rows ``rows`` after prefill, as host arrays (rows >= ``real`` are padding)."""
+    cad = depth = None
+    if ctl is not None:
+        cad = Cadence(**ctl.device_cadence(rows, plan.num_chunks))
+    d = shape.device_depth(rows)
+    if d is not None:
+        depth = DepthControl(**d)
+    return LoopState(done=out.done[rows].copy(), count=np.array([len(out.tokens[s]) for s in rows], np.int32),
+                     limit=np.where(rows < real, max_new_tokens, 0).astype(np.int32), cadence=cad, depth=depth)
+
+
+def _replay(rec: CycleRecord, steps: int, rows: np.ndarray, host_len: np.ndarray, shape: _ShapeControl, ctl,
+            call_ms: float | None) -> None:
+    """Feed a block's per-cycle record to the host controllers, cycle by cycle as the device decided (the retrieval
+    counters check every due decision against their own)."""
+    for c in range(steps):
+        due_rows = []
+        for r in np.nonzero(rec.live[c])[0]:
+            seq, m = int(rows[r]), int(rec.m[c, r])
+            host_len[seq] += m + 1
+            shape.observe(seq, m, int(host_len[seq]), None if rec.depth is None else int(rec.depth[c, r]))
+            if ctl is not None:
+                ctl.observe(seq, emitted=m + 1, working_len=int(rec.n[c, r]), window=int(rec.window[c, r]))
+                due = ctl.due(seq, int(host_len[seq]) - 1)
+                if due != bool(rec.due[c, r]):
+                    raise RuntimeError(f"sequence {seq}: the device loop's retrieval cadence (due={not due}) and its "
+                                       f"host controller (due={due}) diverged (a bug)")
+                if due:
+                    due_rows.append(r)
+        for r in due_rows:
+            seq = int(rows[r])
+            ctl.record(seq, rec.anchors[:, c, r], int(host_len[seq]) - 1, (call_ms or 0.0) / len(due_rows), False)
+
+
+def prepare_params(target: TargetModel, draft, mesh: Mesh | None, draft_tp: int = 1):
+    """Params as the plan needs them: unchanged without a mesh; otherwise in tensor-parallel layout on the mesh
+    (memoised per model and mesh, see :func:`sharding.prepare`)."""
+    if mesh is None:
+        return target.params, draft.params if draft is not None else None
+    tparams = sharding.prepare(target, mesh, sharding.mesh_size(mesh, sharding.TP))
+    return tparams, sharding.prepare(draft, mesh, draft_tp) if draft is not None else None
+
+
+def _timed_retrieve(progs, clock, ctl, tparams, dparams, state, mask, lengths, *, after_prefill):
+    """One standalone retrieval for the rows in ``mask``; returns ``(state, wall ms of the call)`` (compile
+    excluded) and books it, split over the rows."""
+    before, t = clock.seconds, time.perf_counter()
+    state, anchors = progs.retrieve(clock, tparams, dparams, state, jnp.asarray(mask))
+    anchors = np.asarray(anchors)  # [ranks, B, A]: every tensor-parallel rank's selection
+    ms = (time.perf_counter() - t - (clock.seconds - before)) * 1e3
+    for r in np.nonzero(mask)[0]:
+        ctl.record(int(r), anchors[:, r], int(lengths[r]) - 1, ms / int(mask.sum()), after_prefill)
+    return state, ms
+
+
+def _retrieve_after_prefill(plan, progs, clock, ctl, tparams, dparams, state, lengths, real):
+    """DiffSpec's retrieval right after prefill, from the last prompt position's query (when switched on). Returns
+    ``(state, ms)``: the wall time of a standalone retrieval call, timed on this one, or on a probe that selects
+    for no row (nothing changes) when no row retrieves now."""
+    b = len(lengths)
+    mask = np.zeros(b, bool)
+    if plan.spec.diffspec_retrieve_after_prefill:
+        mask = np.array([i < real and not ctl.fits(int(lengths[i]) - 1) for i in range(b)])
+    else:
+        for i in range(real):
+            ctl.skip_prefill(i)
+    if mask.any():
+        return _timed_retrieve(progs, clock, ctl, tparams, dparams, state, mask, lengths, after_prefill=True)
+    before, t = clock.seconds, time.perf_counter()
+    state, anchors = progs.retrieve(clock, tparams, dparams, state, jnp.asarray(mask))
+    np.asarray(anchors)
+    return state, (time.perf_counter() - t - (clock.seconds - before)) * 1e3

@@ -1,0 +1,72 @@
+"""Prefill: the target's chunked prefill of ragged prompts (the draft's K/V of each chunk projected and stored as
+it goes), then the first sampled token, which becomes the pending root entry of the first cycle."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from diffspec_jax import retrieval, working_cache
+from diffspec_jax.engine.state import DecodeState, Plan, _rows, _split
+from diffspec_jax.models import eagle3, family
+from diffspec_jax.sampling import choose
+
+
+@struct.dataclass
+class _PrefillAcc:
+    """Per-sequence values of each prompt's last position, filled by the chunk that contains it."""
+
+    logits: jax.Array      # [B, V]
+    aux: jax.Array         # [B, A*Ht]
+    score_q: jax.Array     # [B, Hq, D]
+    score_lse: jax.Array   # [B, Hq]
+
+
+def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _PrefillAcc, tokens, next_tokens,
+                   start, lengths):
+    """Target prefill of one chunk; the draft's K/V of the chunk's entries are projected and stored."""
+    b, w = tokens.shape
+    last = lengths - 1
+    rows = jnp.clip(last - start, 0, w - 1)[:, None]
+    out, tcache = family(plan.target).step(plan.target, tparams, state.target_cache, tokens, start, rows,
+                                           aux_layers=plan.aux_layers if plan.draft is not None else (),
+                                           score_layer=plan.score_layer, axis_name=plan.tp_axis,
+                                           num_valid=jnp.clip(lengths - start, 0, w))  # padding stays out of states
+    in_chunk = (last >= start) & (last < start + w)
+    sel = lambda new, old: jnp.where(in_chunk.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
+    acc = acc.replace(logits=sel(out.logits[:, 0], acc.logits))
+    state = state.replace(target_cache=tcache)
+    if plan.draft is not None:
+        acc = acc.replace(aux=sel(_rows(out.aux, rows[:, 0]), acc.aux))
+        positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+        z, _ = eagle3.entry_inputs(plan.draft, dparams, next_tokens, out.aux, from_target=True,
+                                   axis_name=plan.draft_axis)
+        _, k, v = eagle3.qkv(dparams, z)
+        dcache = working_cache.commit(plan.draft, plan.spec, state.draft_cache, k, v, positions)
+        state = state.replace(draft_cache=dcache)
+        ret = state.retrieval
+        if ret is not None and ret.chunk_sum is not None:  # entry P-1 is committed later, by the first step 0
+            ret = ret.replace(chunk_sum=retrieval.update_chunk_sums(
+                ret.chunk_sum, k, positions, positions < last[:, None], plan.spec.diffspec_chunk_size))
+            state = state.replace(retrieval=ret)
+    if out.score_q is not None:
+        acc = acc.replace(score_q=sel(out.score_q[:, 0], acc.score_q), score_lse=sel(out.score_lse[:, 0],
+                                                                                      acc.score_lse))
+    return state, acc
+
+
+def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths):
+    """Sample the first token x_P and make entry P-1 (x_P, F_{P-1}) the pending root."""
+    rng, key = _split(plan, state.rng)
+    first = choose(key, acc.logits, plan.sampling)
+    k1 = plan.k + 1
+    state = state.replace(
+        rng=rng, length=lengths.astype(jnp.int32), last_token=first,
+        pend_tokens=jnp.zeros_like(state.pend_tokens).at[:, 0].set(first),
+        pend_feats=jnp.zeros_like(state.pend_feats).at[:, 0].set(acc.aux.astype(state.pend_feats.dtype))
+        if plan.draft is not None else state.pend_feats,
+        pend_count=jnp.ones_like(lengths, jnp.int32) if k1 > 1 else state.pend_count)
+    if state.retrieval is not None and plan.score_layer is not None:
+        state = state.replace(retrieval=state.retrieval.replace(score_q=acc.score_q, score_lse=acc.score_lse))
+    return state, first

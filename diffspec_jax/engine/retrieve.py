@@ -1,0 +1,54 @@
+"""DiffSpec retrieval: score the context's chunks (the target's attention at the scoring layer, or the draft's
+salience against chunk key summaries) and select the anchor chunks of the draft's working cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from diffspec_jax import retrieval
+from diffspec_jax.engine.state import DecodeState, Plan, _rows
+from diffspec_jax.models import eagle3
+from pallas_kernels import dispatch
+
+
+def _select_anchors(plan: Plan, tparams, dparams, state: DecodeState) -> jax.Array:
+    """Score the chunks of every sequence's context and select its anchors, int32 ``[B, A]`` (``A = Nmax - 1``)."""
+    spec, ret = plan.spec, state.retrieval
+    c = spec.diffspec_chunk_size
+    root = state.length - 1
+    if spec.diffspec_scorer == "attention":  # each shard sums its query heads; one psum gives identical scores
+        k_cache = state.target_cache.layer_keys(plan.score_layer)
+        scores = dispatch.chunk_scores(ret.score_q, ret.score_lse, k_cache, root, chunk=c)
+        if plan.tp_axis is not None:
+            scores = jax.lax.psum(scores, plan.tp_axis)
+        scores = scores / plan.target.num_attention_heads
+    else:  # salience: the upcoming root entry's draft query against the chunk key summaries
+        rrow = state.pend_count - 1
+        z, _ = eagle3.entry_inputs(plan.draft, dparams, _rows(state.pend_tokens, rrow)[:, None],
+                                   _rows(state.pend_feats, rrow)[:, None], from_target=True,
+                                   axis_name=plan.draft_axis)
+        q = eagle3.qkv(dparams, z)[0][:, 0].astype(jnp.float32)
+        scores = retrieval.salience_scores(_gather_heads(plan, q, 1), _gather_heads(plan, ret.chunk_sum, 2), root,
+                                           c)
+    summaries = None if ret.chunk_sum is None else _gather_heads(plan, ret.chunk_sum, 2)
+    return retrieval.select_chunks(scores, root, c, spec.max_chunks, spec.diffspec_keep_sink_chunk,
+                                   spec.diffspec_redundancy_weight, summaries)
+
+
+def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):
+    """Score chunks and replace the selection of the sequences in ``mask`` (bool ``[B]``).
+
+    Returns the state and each shard's anchors ``[1, B, A]`` (stacked over ``tp`` by the caller's out specs), so
+    the host can check that every rank selected the same chunks.
+    """
+    ret = state.retrieval
+    anchors = jnp.where(mask[:, None], _select_anchors(plan, tparams, dparams, state), ret.anchors)
+    return state.replace(retrieval=ret.replace(anchors=anchors)), anchors[None]
+
+
+def _gather_heads(plan: Plan, x: jax.Array, axis: int) -> jax.Array:
+    """All heads of a sharded draft's per-head array (replicated drafts already hold them)."""
+    if plan.draft_axis is None:
+        return x
+    return jax.lax.all_gather(x, plan.draft_axis, axis=axis, tiled=True)

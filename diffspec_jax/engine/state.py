@@ -1,0 +1,205 @@
+"""Decode state and plan: :class:`DecodeState` (everything that changes per cycle), :class:`Plan` (the static
+description of a run, a hashable ``jit`` static argument), their zero initialisation and partition specs."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from diffspec_jax import retrieval, sharding
+from diffspec_jax.cache import HybridCache, KVCache, create_cache
+from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
+from diffspec_jax.models import family
+from diffspec_jax.working_cache import DraftCache
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything that changes per cycle (batch-first arrays; ``rng`` is the only unbatched leaf).
+
+    Attributes:
+        target_cache: the target :class:`KVCache` (:class:`HybridCache` for hybrid targets).
+        draft_cache: the draft's :class:`DraftCache` (``None`` without a draft).
+        retrieval: :class:`retrieval.RetrievalState` (``diffspec`` policy only).
+        length: int32 ``[B]`` committed target length: positions ``0..length-1`` are valid in the target cache.
+        last_token: int32 ``[B]`` the newest emitted token, at position ``length``, not yet run by the target.
+        pend_tokens: int32 ``[B, K+1]`` tokens of draft entries awaiting projection (row i at position
+            ``length - pend_count + i``); pend_feats: ``[B, K+1, A*Ht]`` their target aux features;
+            pend_count: int32 ``[B]`` how many rows are real (the last real row is the root, ``length - 1``).
+        seq_id: int32 ``[B]`` the prompt index of each row (rows are reordered when finished ones are dropped).
+        rng: the sampling key.
+    """
+
+    target_cache: KVCache | HybridCache
+    draft_cache: DraftCache | None
+    retrieval: retrieval.RetrievalState | None
+    length: jax.Array
+    last_token: jax.Array
+    pend_tokens: jax.Array
+    pend_feats: jax.Array
+    pend_count: jax.Array
+    seq_id: jax.Array
+    rng: jax.Array
+
+    def take(self, rows: np.ndarray) -> DecodeState:
+        """Keep batch rows ``rows`` (compaction when sequences finish)."""
+        idx = jnp.asarray(rows, jnp.int32)
+        pick = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
+        rng = self.rng
+        return jax.tree_util.tree_map(pick, self.replace(rng=jnp.zeros((len(rows),), jnp.uint32))).replace(rng=rng)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Static description of a run (a hashable ``jit`` static argument)."""
+
+    target: ModelConfig
+    draft: DraftConfig | None
+    spec: SpecConfig
+    sampling: SamplingConfig
+    aux_layers: tuple[int, ...]
+    capacity: int
+    proposer: Callable | None = None
+    mesh: Mesh | None = None
+    draft_tp: int = 1
+    kernels: str = "reference"  # "pallas" or "reference" (pallas_kernels.dispatch), part of the compile key
+
+    @property
+    def tp(self) -> int:
+        return sharding.mesh_size(self.mesh, sharding.TP)
+
+    @property
+    def dp(self) -> int:
+        return sharding.mesh_size(self.mesh, sharding.DP)
+
+    @property
+    def tp_axis(self) -> str | None:
+        """Axis name for the target's collectives (``None`` without a mesh)."""
+        return sharding.TP if self.mesh is not None else None
+
+    @property
+    def draft_axis(self) -> str | None:
+        """Axis name for a sharded draft (``None``: the draft is replicated)."""
+        return sharding.TP if self.mesh is not None and self.draft_tp > 1 else None
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft is not None or self.proposer is not None
+
+    @property
+    def k(self) -> int:
+        return self.spec.num_speculative_tokens if self.speculative else 0
+
+    @property
+    def diffspec(self) -> bool:
+        return self.draft is not None and self.spec.draft_context_policy == "diffspec"
+
+    @property
+    def score_layer(self) -> int | None:
+        """Target layer whose queries/LSE are captured (``diffspec`` with the attention scorer)."""
+        if self.diffspec and self.spec.diffspec_scorer == "attention":
+            return self.spec.scoring_layer(self.target)
+        return None
+
+    @property
+    def num_chunks(self) -> int:
+        return retrieval.num_chunks(self.capacity, self.spec.diffspec_chunk_size)
+
+    @property
+    def tree_mode(self) -> bool:
+        """Tree drafting and verification."""
+        return self.speculative and self.spec.tree
+
+    @property
+    def adaptive_depth(self) -> bool:
+        """Adaptive chain depth (chain mode with ``diffspec_adaptive_profile``), kept on the device."""
+        return self.speculative and not self.spec.tree and self.spec.diffspec_adaptive_profile
+
+    @property
+    def host_shaped(self) -> bool:
+        """Tree mode whose branching caps or node budget change between cycles (host controllers)."""
+        return self.tree_mode and (self.spec.diffspec_tree_branching == "hazard" or self.spec.diffspec_adaptive_profile)
+
+    @property
+    def records(self) -> bool:
+        """Whether a block returns its per-cycle :class:`CycleRecord` (some host controller replays it)."""
+        return self.diffspec or self.tree_mode or self.adaptive_depth
+
+
+def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:
+    tc, dc = plan.target, plan.draft
+    feat = len(plan.aux_layers) * tc.hidden_size if dc is not None else 1
+    k1 = plan.k + 1
+    kv_d = sharding.kv_heads_for(dc.num_key_value_heads, plan.draft_tp, "the draft") if dc is not None else 0
+    ret = None
+    if plan.diffspec:
+        hq = tc.num_attention_heads
+        ret = retrieval.RetrievalState(
+            anchors=jnp.full((batch, plan.spec.max_chunks - 1), -1, jnp.int32),
+            score_q=jnp.zeros((batch, hq, tc.head_dim), jnp.float32),
+            score_lse=jnp.zeros((batch, hq), jnp.float32),
+            draft_q=jnp.zeros((batch, dc.num_attention_heads, dc.head_dim), jnp.float32),
+            chunk_sum=(jnp.zeros((batch, plan.num_chunks, kv_d, dc.head_dim), jnp.float32)
+                       if retrieval.needs_summaries(plan.spec) else None))
+    return DecodeState(
+        target_cache=create_cache(tc, batch, plan.capacity, target_dtype, tp=plan.tp),
+        draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype, num_kv_heads=kv_d)
+        if dc is not None else None,
+        retrieval=ret,
+        length=jnp.zeros((batch,), jnp.int32), last_token=jnp.zeros((batch,), jnp.int32),
+        pend_tokens=jnp.zeros((batch, k1), jnp.int32),
+        pend_feats=jnp.zeros((batch, k1, feat), target_dtype),
+        pend_count=jnp.zeros((batch,), jnp.int32), seq_id=jnp.arange(batch, dtype=jnp.int32),
+        rng=jax.random.PRNGKey(seed))
+
+
+def _rows(x: jax.Array, row: jax.Array) -> jax.Array:
+    """``x[b, row[b]]`` for x ``[B, T, ...]``, row int ``[B]`` -> ``[B, ...]``."""
+    idx = row.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, idx, axis=1)[:, 0]
+
+
+def _split(plan: Plan, rng: jax.Array, n: int = 2):
+    """Split the replicated key; data-parallel replicas fold in their index so their samples are independent."""
+    keys = jax.random.split(rng, n)
+    if plan.mesh is not None and plan.dp > 1:
+        dp = jax.lax.axis_index(sharding.DP)
+        return (keys[0],) + tuple(jax.random.fold_in(k, dp) for k in keys[1:])
+    return tuple(keys)
+
+
+def state_specs(plan: Plan) -> DecodeState:
+    """PartitionSpecs of every :class:`DecodeState` leaf (batch over ``dp``; heads over ``tp``)."""
+    dp = sharding.DP if plan.dp > 1 else None
+    tp = sharding.TP
+    dtp = tp if plan.draft_tp > 1 else None
+    dheads = P(dp, None, dtp, None)
+    dcache = None
+    if plan.draft is not None:
+        store = dheads if plan.spec.uses_working_cache else None
+        dcache = DraftCache(work_k=dheads, work_v=dheads, store_k=store, store_v=store)
+    ret = None
+    if plan.diffspec:
+        ret = retrieval.RetrievalState(anchors=P(dp, None), score_q=P(dp, tp, None), score_lse=P(dp, tp),
+                                       draft_q=P(dp, dtp, None),
+                                       chunk_sum=dheads if retrieval.needs_summaries(plan.spec) else None)
+    return DecodeState(target_cache=family(plan.target).cache_specs(plan.target, dp, tp), draft_cache=dcache,
+                       retrieval=ret,
+                       length=P(dp), last_token=P(dp), pend_tokens=P(dp, None), pend_feats=P(dp, None, None),
+                       pend_count=P(dp), seq_id=P(dp), rng=P())
+
+
+def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:
+    """A zeroed :class:`DecodeState`, created directly with its shardings when the plan has a mesh."""
+    make = functools.partial(_init_state, plan, batch, target_dtype, draft_dtype, seed)
+    if plan.mesh is None:
+        return make()
+    return jax.jit(make, out_shardings=sharding.named(state_specs(plan), plan.mesh))()

@@ -1,0 +1,139 @@
+"""Cycles: draft -> verify -> accept (chain, tree, or the target alone), pure functions of ``(params, state,
+inputs)``.
+
+Data path of one chain cycle (:func:`_spec_cycle`):
+
+1. **Draft step 0.** The entries committed by the previous verification (``pend_*``: token ``x_{t+1}`` paired
+   with target aux features ``F_t``) are projected to pre-RoPE K/V (one layer: no attention needed) and stored
+   at their absolute positions; for working-cache policies the cache is rebuilt (gather-RoPE-write of the
+   history) and the root entry placed at slot ``n``; the root runs attention and proposes ``d_1``.
+2. **Chain.** Steps j = 1..K-1 feed ``(d_j, h2)`` at local position ``n + j``.
+3. **Verify.** The target runs ``[last_token, d_1..d_K]`` at positions ``length .. length + K`` in one step,
+   returning logits, aux features and (DiffSpec) the scoring layer's queries and LSE.
+4. **Accept.** Greedy or rejection sampling gives ``m`` accepted drafts and the bonus; ``length += m + 1``; the
+   m + 1 verified entries become the next cycle's pending entries; the committed row's query and LSE are kept
+   for retrieval. Hybrid targets (Qwen3.5) verify with per-position state snapshots and the family's ``commit``
+   rolls their DeltaNet conv / recurrent states back to the state after the last accepted token (KV needs no
+   rollback: rows beyond the committed length are masked and overwritten).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from diffspec_jax import tree, verification
+from diffspec_jax.cache import move_rows
+from diffspec_jax.engine.propose import draft_propose, draft_propose_tree
+from diffspec_jax.engine.state import DecodeState, Plan, _rows, _split
+from diffspec_jax.models import family
+from diffspec_jax.sampling import choose, processed_logprobs
+
+
+def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_rows=None, *,
+                depth: int | None = None):
+    """One draft -> verify -> accept chain cycle.
+
+    ``depth`` (static, default K) is the chain length this compilation drafts and verifies; ``depth_rows``
+    (int32 ``[B]``, optional) caps each sequence's accepted drafts below it (adaptive depth: a batch runs at its
+    largest depth). Returns ``(state, emitted [B, K+1], m [B], n [B], window [B])``.
+    """
+    rng, k_draft, k_verify = _split(plan, state.rng, 3)
+    depth = plan.k if depth is None else depth
+    if plan.proposer is not None:
+        drafts, q, dcache, ret, n, window = plan.proposer(plan, dparams, state, active, k_draft)
+        drafts, q = drafts[:, :depth], None if q is None else q[:, :depth]
+    else:
+        drafts, q, dcache, ret, n, window = draft_propose(plan, dparams, state, active, k_draft, depth)
+    block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+    rows = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), block.shape)
+    fam = family(plan.target)
+    out, tcache = fam.step(plan.target, tparams, state.target_cache, block, state.length, rows,
+                           aux_layers=plan.aux_layers if plan.draft is not None else (),
+                           score_layer=plan.score_layer, axis_name=plan.tp_axis, snapshots=True)
+    if plan.sampling.greedy:
+        m, emitted = verification.greedy_accept(out.logits, drafts)
+    else:
+        m, emitted = verification.rejection_accept(k_verify, processed_logprobs(out.logits, plan.sampling),
+                                                   drafts, q)
+    if depth_rows is not None:  # emitted[j] is a valid target token at every j <= m, so truncating is lossless
+        m = jnp.minimum(m, depth_rows)
+    m = jnp.where(active, m, 0)
+    # rollback: recurrent states after the m + 1 committed tokens (inactive sequences: before the step)
+    tcache = fam.commit(plan.target, tcache, out, jnp.where(active, m + 1, 0))
+    path = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), m.shape + (depth + 1,))
+    state, emitted, m = _accept(plan, state, active, rng, tcache, dcache, ret, out, m, emitted, path)
+    return state, emitted, m, n, window
+
+
+def _pad_cols(x: jax.Array, width: int) -> jax.Array:
+    """Zero-pad axis 1 of ``x`` to ``width``."""
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, width - x.shape[1])
+    return jnp.pad(x, pad)
+
+
+def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, out, m, emitted, path):
+    """Commit ``m`` accepted tokens + the correction/bonus: lengths, pending draft entries (features of the verify
+    rows ``path [B, m+1 ...]``), the scoring query of the deepest accepted row. ``emitted [B, <= K+1]``."""
+    k1 = plan.k + 1
+    emitted = _pad_cols(emitted, k1)
+    bonus = _rows(emitted, m)
+    col = jnp.arange(k1)[None, :]
+    pend_tokens = jnp.where(col <= m[:, None], emitted, 0)
+    keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
+    last = _rows(path, m)
+    if ret is not None and out.score_q is not None:
+        ret = ret.replace(score_q=keep(_rows(out.score_q, last), ret.score_q),
+                          score_lse=keep(_rows(out.score_lse, last), ret.score_lse))
+    feats = state.pend_feats
+    if out.aux is not None:
+        feats = _pad_cols(jnp.take_along_axis(out.aux, path[:, :, None], axis=1).astype(feats.dtype), k1)
+    state = state.replace(
+        target_cache=tcache, draft_cache=dcache, retrieval=ret, rng=rng,
+        length=keep(state.length + m + 1, state.length), last_token=keep(bonus, state.last_token),
+        pend_tokens=keep(pend_tokens, state.pend_tokens), pend_feats=keep(feats, state.pend_feats),
+        pend_count=keep(m + 1, state.pend_count))
+    return state, emitted, m
+
+
+def _tree_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, caps, budget):
+    """One tree cycle: draft tree -> one tree-masked target step -> walk -> move the accepted path's KV rows.
+
+    ``caps`` int32 ``[B, K]`` and ``budget`` int32 ``[B]`` come from the host's branching and budget controllers.
+    Returns ``(state, emitted [B, K+1], m [B], n [B], window [B], tree_size [B])``.
+    """
+    rng, _, k_verify = _split(plan, state.rng, 3)
+    spec = plan.spec
+    depth = plan.k
+    t, dcache, ret, n, window = draft_propose_tree(plan, dparams, state, active, caps, budget)
+    mask = tree.ancestry_mask(t.parents, t.valid, depth)
+    rows = jnp.broadcast_to(jnp.arange(t.tokens.shape[1], dtype=jnp.int32), t.tokens.shape)
+    fam = family(plan.target)
+    out, tcache = fam.step(plan.target, tparams, state.target_cache, t.tokens, state.length, rows,
+                           aux_layers=plan.aux_layers, score_layer=plan.score_layer, axis_name=plan.tp_axis,
+                           tree=(t.depth, mask))
+    if plan.sampling.greedy:
+        m, path, emitted = verification.tree_greedy_accept(out.logits, t, depth)
+    else:
+        m, path, emitted = verification.tree_rejection_accept(
+            k_verify, processed_logprobs(out.logits, plan.sampling), t, depth, spec.diffspec_tree_topk)
+    m = jnp.where(active, m, 0)
+    path = jnp.where(active[:, None], path, jnp.arange(depth + 1, dtype=jnp.int32)[None, :])
+    tcache = move_rows(tcache, state.length, path)
+    state, emitted, m = _accept(plan, state, active, rng, tcache, dcache, ret, out, m, emitted, path)
+    return state, emitted, m, n, window, t.size
+
+
+def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
+    """Autoregressive baseline: one target step on ``last_token``; same cache machinery."""
+    rng, key = _split(plan, state.rng)
+    rows = jnp.zeros((state.length.shape[0], 1), jnp.int32)
+    out, tcache = family(plan.target).step(plan.target, tparams, state.target_cache, state.last_token[:, None],
+                                           state.length, rows, axis_name=plan.tp_axis,
+                                           num_valid=active.astype(jnp.int32))
+    tok = choose(key, out.logits[:, 0], plan.sampling)
+    zero = jnp.zeros_like(state.length)
+    state = state.replace(target_cache=tcache, rng=rng, length=jnp.where(active, state.length + 1, state.length),
+                          last_token=jnp.where(active, tok, state.last_token))
+    return state, tok[:, None], zero, zero, zero
