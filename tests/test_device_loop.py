@@ -225,7 +225,7 @@ def test_compilation_cache_setting(monkeypatch):
 
 
 def _user_configured_jax_cache() -> bool:
-    return bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")) or engine._jax_cache_config_before()[0] is not None
+    return bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")) or engine._jax_cache_config_before().dir is not None
 
 
 def test_persistent_compilation_cache_is_switched_on_by_generate(targets, tmp_path, monkeypatch):
@@ -249,13 +249,18 @@ def test_a_cache_directory_configured_for_jax_is_left_alone(tmp_path, monkeypatc
         pytest.skip("JAX's own cache directory is configured for this run")
     from jax.experimental.compilation_cache import compilation_cache as cc
 
-    engine._jax_cache_config_before.cache_clear()
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+    monkeypatch.setenv(engine.COMPILATION_CACHE_ENV, str(tmp_path / "ours"))
     try:
-        monkeypatch.setenv(engine.COMPILATION_CACHE_ENV, str(tmp_path / "ours"))
-        assert engine.enable_compilation_cache() == str(tmp_path / "mine")
-        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+        for before_first_call in (True, False):  # configured before the first generate() or after ours applied
+            engine._jax_cache_config_before.cache_clear()
+            if not before_first_call:
+                assert engine.enable_compilation_cache() == str(tmp_path / "ours")
+            jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+            assert engine.enable_compilation_cache() == str(tmp_path / "mine")
+            assert jax.config.jax_compilation_cache_dir == str(tmp_path / "mine")
+            jax.config.update("jax_compilation_cache_dir", None)
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
         engine._jax_cache_config_before.cache_clear()
         cc.reset_cache()
+        assert not (tmp_path / "mine").exists() and not (tmp_path / "ours").exists()  # nothing was compiled

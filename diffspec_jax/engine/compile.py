@@ -160,33 +160,37 @@ def compilation_cache_setting(environ=None) -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _jax_cache_config_before() -> tuple[str | None, float]:
-    """JAX's cache directory and minimum compile time as the first :func:`generate` call found them."""
-    return jax.config.jax_compilation_cache_dir, float(jax.config.jax_persistent_cache_min_compile_time_secs)
+def _jax_cache_config_before() -> SimpleNamespace:
+    """JAX's cache settings as the first :func:`generate` call found them (``dir``, ``min_secs``), and the directory
+    :func:`enable_compilation_cache` applied last (``applied``)."""
+    return SimpleNamespace(dir=jax.config.jax_compilation_cache_dir,
+                           min_secs=float(jax.config.jax_persistent_cache_min_compile_time_secs), applied=None)
 
 
 def enable_compilation_cache() -> str | None:
     """Point JAX's persistent compilation cache at :func:`compilation_cache_setting` (every :func:`generate` call
-    runs this; it changes nothing once applied, and nothing at import time).
+    runs this; it changes nothing once applied, and nothing happens at import time).
 
-    A cache directory the user configured for JAX itself (``jax_compilation_cache_dir`` set before the first
-    ``generate()`` call, or ``JAX_COMPILATION_CACHE_DIR``) is left alone. Otherwise programs that compile in at
-    least :data:`CACHE_MIN_COMPILE_SECS` are kept (JAX's own threshold, 1 s, if the user lowered it already, the
-    lower one), so a new process loads the engine's programs instead of compiling them again. Returns the
-    directory in use (``None``: no persistent cache).
+    A cache directory configured for JAX itself (``JAX_COMPILATION_CACHE_DIR``, or ``jax_compilation_cache_dir``
+    set to anything but what this function applied) is left alone. Otherwise programs whose compilation takes at
+    least :data:`CACHE_MIN_COMPILE_SECS` (or the user's lower threshold) are kept, so a new process loads the
+    engine's programs instead of compiling them again. Returns the directory in use (``None``: no persistent
+    cache).
     """
-    user_dir, user_min = _jax_cache_config_before()
-    if user_dir is not None or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return jax.config.jax_compilation_cache_dir
+    first = _jax_cache_config_before()
+    current = jax.config.jax_compilation_cache_dir
+    if first.dir is not None or os.environ.get("JAX_COMPILATION_CACHE_DIR") or current not in (None, first.applied):
+        return current
     want = compilation_cache_setting()
-    if jax.config.jax_compilation_cache_dir == want:
+    if current == want:
         return want
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     jax.config.update("jax_compilation_cache_dir", want)
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                      min(user_min, CACHE_MIN_COMPILE_SECS) if want is not None else user_min)
+                      min(first.min_secs, CACHE_MIN_COMPILE_SECS) if want is not None else first.min_secs)
     cc.reset_cache()  # the cache object is created once per directory: let the next compilation open the new one
+    first.applied = want
     return want
 
 
