@@ -150,7 +150,7 @@ SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)
 
 
 def check_generate_args(vocab_size: int, *, seed: Any = 0, stop_token_ids: Any = None, max_cache_len: Any = None,
-                        prefill_chunk: Any = 512, on_tokens: Any = None, progress: Any = False,
+                        prefill_chunk: Any = None, on_tokens: Any = None, progress: Any = False,
                         proposer: Any = None, mesh: Any = None) -> GenerateArgs:
     """Check the arguments of :func:`diffspec_jax.generate` other than prompts, ``max_new_tokens`` and the
     configs (which ``generate`` checks itself) and return them normalised.
@@ -159,7 +159,8 @@ def check_generate_args(vocab_size: int, *, seed: Any = 0, stop_token_ids: Any =
         vocab_size: the target's vocabulary (stop ids must lie in ``[0, vocab_size)``).
     Returns:
         :class:`GenerateArgs`: ``seed`` an ``int``; ``stop_token_ids`` ``None`` (the target's EOS ids) or a tuple
-        of ``int``; ``max_cache_len`` ``None`` or an ``int``; ``prefill_chunk`` an ``int``.
+        of ``int``; ``max_cache_len`` ``None`` or an ``int``; ``prefill_chunk`` ``None`` (the backend's default,
+        :func:`diffspec_jax.target.default_prefill_chunk`) or an ``int``.
     Raises:
         InputError: naming the argument, what was given and what to pass instead.
     """
@@ -182,8 +183,9 @@ def check_generate_args(vocab_size: int, *, seed: Any = 0, stop_token_ids: Any =
         stop_token_ids = tuple(ids)
     max_cache_len = check_int(max_cache_len, "max_cache_len", min=1, none_ok=True, error=InputError,
                               hint="; pass None to size the cache from the prompts")
-    prefill_chunk = check_int(prefill_chunk, "prefill_chunk", min=1, error=InputError,
-                              hint="; it is the most prompt tokens processed per prefill step (default 512)")
+    prefill_chunk = check_int(prefill_chunk, "prefill_chunk", min=1, none_ok=True, error=InputError,
+                              hint="; it is the most prompt tokens per sequence processed per prefill step (None: "
+                                   "the backend's default, 512 on CPUs, up to 128K tokens per chunk on GPUs)")
     if on_tokens is not None and not callable(on_tokens):
         raise InputError(f"on_tokens must be a function on_tokens(sequence_index, new_ids) or None, got "
                          f"{_show(on_tokens)}")

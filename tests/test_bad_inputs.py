@@ -206,7 +206,7 @@ def test_tree_mode_k1_through_the_cli_is_a_usage_error(capsys):
 @pytest.mark.parametrize("kw, needle", [
     (dict(prefill_chunk=-1), r"prefill_chunk must be an integer >= 1, got -1"),
     (dict(prefill_chunk=0), r"prefill_chunk must be an integer >= 1, got 0"),
-    (dict(prefill_chunk=16.0), r"prefill_chunk must be an integer >= 1, got 16.0 \(float\)"),
+    (dict(prefill_chunk=16.0), r"prefill_chunk must be an integer >= 1 or None, got 16.0 \(float\)"),
     (dict(prefill_chunk=True), r"prefill_chunk must be an integer"),
     (dict(stop_token_ids="2"), r"got the string '2'; pass e.g. stop_token_ids=\(2,\)"),
     (dict(stop_token_ids=2), r"got the single integer 2; pass stop_token_ids=\(2,\)"),
@@ -234,7 +234,7 @@ def test_check_generate_args_normalises():
                               prefill_chunk=np.int16(16), on_tokens=print, progress=np.bool_(True))
     assert got == (3, (2, 7), 64, 16) and all(type(x) is int for x in got.stop_token_ids)
     assert type(got.seed) is int and type(got.prefill_chunk) is int
-    assert check_generate_args(256) == (0, None, None, 512)
+    assert check_generate_args(256) == (0, None, None, None)  # prefill_chunk None: the backend default
     assert check_generate_args(256, stop_token_ids=()).stop_token_ids == ()
 
 

@@ -31,6 +31,7 @@ from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopSta
 from diffspec_jax.engine.prefill import _PrefillAcc
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, InputError
+from diffspec_jax.validation import check_generate_args
 from diffspec_jax.models import ensure_tree_supported
 from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
 from pallas_kernels import dispatch
@@ -220,6 +221,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     """
     t_call = time.perf_counter()
     prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling, block_cycles)
+    seed, stop_token_ids, max_cache_len, prefill_chunk = check_generate_args(
+        target.config.vocab_size, seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
+        prefill_chunk=prefill_chunk, on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh)
     tc = target.config
     speculative = draft is not None or proposer is not None
     if proposer is not None and spec.tree:
