@@ -19,7 +19,7 @@ from diffspec_jax.errors import ConfigError
 from diffspec_jax.utils import CompileCounter
 
 LENGTHS = (23, 61, 40)  # test_engine's prompts and lengths: the programs compiled here are shared with it
-NEW = 64
+NEW = 40
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +56,7 @@ def test_host_reads_results_once_per_block(targets, drafts, prompts, monkeypatch
                        **kw)
         s = res.stats
         c = kw.get("block_cycles", engine.DEFAULT_BLOCK_CYCLES)
-        assert s.block_cycles == c and s.cycles > 2 * c and s.cache_capacity == 256
+        assert s.block_cycles == c and s.cycles > c and s.cache_capacity == 256
         assert len(reads) == math.ceil(s.cycles / c)  # every block read but the last ran its c cycles
         assert s.blocks == len(reads) + 1  # the one dispatched ahead found every sequence done
         assert s.host_syncs == 1 + len(reads)
@@ -88,14 +88,16 @@ def test_tree_cycles_run_in_blocks(targets, drafts):
     tree = dict(num_speculative_tokens=3, diffspec_verification_mode="tree", diffspec_max_tree_nodes=12,
                 diffspec_tree_topk=3)
     base = generate(targets["llama"], None, prompts, max_new_tokens=24, stop_token_ids=()).tokens
+    small = dict(num_speculative_tokens=2, diffspec_verification_mode="tree", diffspec_max_tree_nodes=4,
+                 diffspec_tree_topk=2, diffspec_tree_branching="full")  # a small tree compiles faster
     full = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=24, stop_token_ids=(),
-                    spec=SpecConfig(**tree, diffspec_tree_branching="full"))
+                    spec=SpecConfig(**small))
     assert full.tokens == base
     s = full.stats
     assert s.block_cycles == engine.DEFAULT_BLOCK_CYCLES and s.blocks == math.ceil(s.cycles / s.block_cycles) + 1
-    assert s.mean_tree_size == 12 and sum(s.accepted_depth_histogram) == s.sequence_cycles
+    assert s.cycles > s.block_cycles and s.mean_tree_size == 4 and sum(s.accepted_depth_histogram) == s.sequence_cycles
     snap = s.drafting["per_sequence"][0]["branching"]
-    assert snap["caps"] == [3, 3, 3] and snap["updates"] > s.block_cycles  # every cycle was replayed
+    assert snap["caps"] == [2, 2] and snap["updates"] > s.block_cycles  # every cycle was replayed
     hazard = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=24, stop_token_ids=(),
                       spec=SpecConfig(draft_context_policy="full", **tree))
     h = hazard.stats
