@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("DIFFSPEC_COMPILATION_CACHE", "0")  # tests that need the persistent cache point it at a tmp dir
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -68,7 +68,7 @@ def np_select(scores, root, chunk, max_chunks, keep_sink):
 
 
 def test_selection_golden_vector():
-    """DIFFSPEC.md 3.1: scores [.1, .9, .8, .7, .01], 18 tokens, C 4, Hb 12 -> chunks [1, 2, 4]."""
+    """docs/method.md section 3.1: scores [.1, .9, .8, .7, .01], 18 tokens, C 4, Hb 12 -> chunks [1, 2, 4]."""
     scores = jnp.asarray([[0.1, 0.9, 0.8, 0.7, 0.01]])
     anchors = np.asarray(select_chunks(scores, jnp.asarray([17]), 4, 3, keep_sink=False))
     assert list(anchors[0]) == [1, 2]  # + the newest chunk 4 (tokens 16-17)
@@ -114,7 +114,7 @@ def test_redundancy_penalty_skips_a_near_duplicate_chunk():
 
 # --------------------------------------------------------------------------------------------- history
 def test_history_golden_vector():
-    """DIFFSPEC.md 3.2: C 2, Hb 4, anchor chunk 0: r = 5 -> [0, 1, 3, 4]; r = 9 -> [0, 1, 7, 8]."""
+    """docs/method.md section 3.2: C 2, Hb 4, anchor chunk 0: r = 5 -> [0, 1, 3, 4]; r = 9 -> [0, 1, 7, 8]."""
     idx, n, w = history_indices(jnp.asarray([[0], [0]]), jnp.asarray([5, 9]), 2, 4)
     assert np.asarray(idx).tolist() == [[0, 1, 3, 4], [0, 1, 7, 8]]
     assert list(np.asarray(n)) == [4, 4] and list(np.asarray(w)) == [2, 2]
@@ -230,7 +230,7 @@ def test_salience_scores_and_chunk_sums():
           diffspec_keep_sink_chunk=True), "must be >= 128"),
     (dict(diffspec_scorer="max"), "diffspec_scorer must be one of"),
     (dict(diffspec_retrieval_interval=0), "diffspec_retrieval_interval must be a positive integer"),
-    (dict(diffspec_redundancy_weight=-1.0), "diffspec_redundancy_weight must be >= 0"),
+    (dict(diffspec_redundancy_weight=-1.0), "diffspec_redundancy_weight must be a finite number >= 0"),
 ])
 def test_invalid_combinations(kw, needle):
     with pytest.raises(ConfigError, match=needle):
