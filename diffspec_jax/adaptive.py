@@ -3,12 +3,12 @@
 These run on the host between jitted cycles, one instance per sequence (or request slot), so every
 tensor-parallel rank acts on the same decision:
 
-* :class:`HazardProfile` -- hazard-guided branching caps for tree mode (DIFFSPEC.md section 9);
+* :class:`HazardProfile` -- hazard-guided branching caps for tree mode (docs/method.md section 9);
 * :func:`static_caps` / :func:`make_caps_controller` -- the static branching alternatives and a common factory;
 * :class:`NodeBudget` -- the tree node budget that grows with observed pressure and never shrinks (section 9);
 * :class:`AdaptiveDepth` -- adaptive chain depth with a long-context floor (section 8).
 
-Frozen constants (DIFFSPEC.md section 10, "Fixed constants"):
+Frozen constants (docs/method.md section 10, "Fixed constants"):
 
 * hazard profile: window of the last ``HAZARD_WINDOW`` (50) stops, EWMA weight ``HAZARD_ALPHA`` (0.2) on the new
   histogram, ``HAZARD_PEAKS`` (2) full-width peaks, warm-up until ``HAZARD_WARMUP_UPDATES`` (5) updates and
@@ -125,7 +125,7 @@ class CapsController(Protocol):
 
 
 class HazardProfile:
-    """Hazard-guided branching allocator (DIFFSPEC.md section 9): spend width where verification tends to stop.
+    """Hazard-guided branching allocator (docs/method.md section 9): spend width where verification tends to stop.
 
     ``record`` books each verification's stop depth (accepted length); ``caps`` turns the smoothed stop profile
     into per-depth child caps: full width at the two most useful depths (and at the root), half width next to
@@ -203,7 +203,7 @@ def make_caps_controller(policy: str, max_depth: int, width: int) -> CapsControl
 
 
 class NodeBudget:
-    """Tree node budget that grows with observed pressure and never shrinks (DIFFSPEC.md section 9).
+    """Tree node budget that grows with observed pressure and never shrinks (docs/method.md section 9).
 
     It starts at ``base = round(max_nodes / 1.5)`` (a multiple of ``round_to``) and holds it for ``warmup``
     observations. Then pressure = 0.7 * late + 0.2 * gap + 0.1 * trend, each in [0, 1]: ``late`` ramps from 0 to 1
@@ -258,7 +258,7 @@ class NodeBudget:
 
 
 class AdaptiveDepth:
-    """Adaptive chain depth of one sequence (DIFFSPEC.md section 8).
+    """Adaptive chain depth of one sequence (docs/method.md section 8).
 
     Short sequences start at depth ``k`` with floor ``k`` (the depth then never changes); from
     ``long_context_threshold`` committed tokens the floor is ``long_context_depth``. The threshold is re-tested

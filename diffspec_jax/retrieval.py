@@ -1,6 +1,6 @@
 """DiffSpec retrieval: chunk scoring and selection (pure-JAX references), and the device-side retrieval state.
 
-Scoring (``attention`` scorer, DIFFSPEC.md section 2). For one sequence with root r (last committed position),
+Scoring (``attention`` scorer, docs/method.md section 2). For one sequence with root r (last committed position),
 scoring-layer query ``q_h`` (post-RoPE) and its log-sum-exp ``LSE_h`` over positions ``0..r``::
 
     p_h(t)     = exp(s * q_h . k_{g(h)}(t) - LSE_h)        exact attention probability the target gave to t

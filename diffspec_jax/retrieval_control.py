@@ -1,6 +1,6 @@
 """Host-side DiffSpec retrieval control, shared by the JAX engine and the torch bridge (no JAX, no torch).
 
-Per sequence (or request slot): the verification-cycle cadence with its adaptive interval (DIFFSPEC.md section 4)
+Per sequence (or request slot): the verification-cycle cadence with its adaptive interval (docs/method.md section 4)
 and the ``retrieval_status`` counters (section 11). Decisions are plain Python on the single controller, so every
 tensor-parallel rank acts on the same decision. The JAX engine makes the same decisions on the device (its decode
 loop keeps an integer mirror of this cadence) and replays them here for the counters; both agree exactly because
@@ -38,7 +38,7 @@ ADDITIVE = ("cycles", "retrievals", "retrievals_after_prefill", "skipped_prefill
 
 @dataclass
 class RetrievalCounters:
-    """``retrieval_status`` counters of one sequence (DIFFSPEC.md section 11); ``_``-fields are bookkeeping."""
+    """``retrieval_status`` counters of one sequence (docs/method.md section 11); ``_``-fields are bookkeeping."""
 
     cycles: int = 0
     retrievals: int = 0

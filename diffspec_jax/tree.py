@@ -7,7 +7,7 @@ children's). Padding rows are marked invalid. A depth-d node sits at RoPE positi
 (its block index), and after verification the accepted path is moved to consecutive rows
 (:func:`diffspec_jax.cache.move_rows`).
 
-Construction (EAGLE's dynamic tree, DIFFSPEC.md section 9): the root's top ``w`` draft tokens form depth 1; each
+Construction (EAGLE's dynamic tree, docs/method.md section 9): the root's top ``w`` draft tokens form depth 1; each
 further level runs the frontier (``w`` nodes) through the draft in one batch, each node keeps its top
 ``caps[d]`` children scored by cumulative draft log-probability, and the best ``w`` of those become the next
 frontier. Every candidate joins a pool; the final tree is the ``budget`` best-scored pool entries. Scores never

@@ -87,7 +87,7 @@ def history_indices(anchor_chunks: jax.Array | None, root: jax.Array, chunk: int
     """The draft's history at step 0: anchor tokens plus a rolling window of the most recent other positions.
 
     ``history = anchor tokens U W``, sorted, where W is the most recent positions ``< root`` that are not anchor
-    tokens, up to ``slots - |anchor tokens|`` of them (DIFFSPEC.md section 3.2). The root is never included.
+    tokens, up to ``slots - |anchor tokens|`` of them (docs/method.md section 3.2). The root is never included.
 
     Args:
         anchor_chunks: int32 ``[B, A]`` selected complete chunk ids (``-1`` = empty slot), or ``None``

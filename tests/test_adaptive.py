@@ -18,7 +18,7 @@ from diffspec_jax.adaptive import (
 from diffspec_jax.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------------------
-# independent re-computations (plain loops, written from DIFFSPEC.md sections 8 and 9, not from the module)
+# independent re-computations (plain loops, written from docs/method.md sections 8 and 9, not from the module)
 
 
 def ref_hazard_caps(stops, max_depth, width):

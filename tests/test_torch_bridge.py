@@ -207,7 +207,7 @@ def test_selection_with_redundancy_penalty_matches_jax(keep_sink):
 
 
 def test_selection_golden_vector():
-    """DIFFSPEC.md 3.1: scores [.1, .9, .8, .7, .01], 18 tokens, C 4, Hb 12 -> chunks [1, 2] + newest 4."""
+    """docs/method.md section 3.1: scores [.1, .9, .8, .7, .01], 18 tokens, C 4, Hb 12 -> chunks [1, 2] + newest 4."""
     scores = torch.tensor([[0.1, 0.9, 0.8, 0.7, 0.01]])
     assert tb.select_chunks(scores, [17], 4, 3, keep_sink=False).tolist() == [[1, 2]]
     assert tb.select_chunks(scores, [17], 4, 3, keep_sink=True).tolist() == [[0, 1]]
@@ -235,7 +235,7 @@ def test_history_matches_jax_on_random_anchors():
 
 
 def test_history_golden_vector():
-    """DIFFSPEC.md 3.2: C 2, Hb 4, anchor chunk 0: r = 5 -> [0, 1, 3, 4]; r = 9 -> [0, 1, 7, 8]."""
+    """docs/method.md section 3.2: C 2, Hb 4, anchor chunk 0: r = 5 -> [0, 1, 3, 4]; r = 9 -> [0, 1, 7, 8]."""
     idx, n, w = tb.history_indices(torch.tensor([[0], [0]]), torch.tensor([5, 9]), 2, 4)
     assert idx.tolist() == [[0, 1, 3, 4], [0, 1, 7, 8]] and n.tolist() == [4, 4] and w.tolist() == [2, 2]
 

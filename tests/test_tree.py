@@ -76,7 +76,7 @@ def test_ancestry_mask_matches_numpy_on_random_trees():
 
 
 def test_greedy_tree_walk_golden():
-    """DIFFSPEC.md section 14: nodes with tokens [10..14] and parents [-1, 0, 0, 1, 2] (here rows 1..5 under a
+    """docs/method.md section 14: nodes with tokens [10..14] and parents [-1, 0, 0, 1, 2] (here rows 1..5 under a
     root row 0), target argmax [10, 11, 12, 99, 98, 97] -> accepted nodes [0, 1], emitted [10, 11, 12]."""
     tr = make_tree([-1, 0, 1, 1, 2, 3], [7, 10, 11, 12, 13, 14])
     logits = jax.nn.one_hot(jnp.asarray([[10, 11, 12, 99, 98, 97]]), 128) * 5.0

@@ -205,7 +205,7 @@ def _contiguous_scores(q, lse, k_cache, root, chunk, *, tile, rows):
 
 def chunk_scores(q: torch.Tensor, lse: torch.Tensor | None, k_cache: torch.Tensor, root, chunk: int, *,
                  tile: int = SCORE_TILE) -> torch.Tensor:
-    """Attention-probability chunk scores (DIFFSPEC.md section 2): :func:`head_sum_scores` divided by ``Hq``.
+    """Attention-probability chunk scores (docs/method.md section 2): :func:`head_sum_scores` divided by ``Hq``.
 
     Under tensor parallelism each rank calls :func:`head_sum_scores` on its heads, all-reduces (sum) and divides
     by the global head count, so every rank selects the same chunks.
@@ -328,7 +328,7 @@ def add_chunk_sums_(chunk_sum: torch.Tensor, rows: torch.Tensor, k: torch.Tensor
 # -------------------------------------------------------------------------------------------- selection
 def select_chunks(scores: torch.Tensor, root, chunk: int, max_chunks: int, keep_sink: bool,
                   redundancy_weight: float = 0.0, summaries: torch.Tensor | None = None) -> torch.Tensor:
-    """Select the anchor chunks (DIFFSPEC.md section 3.1).
+    """Select the anchor chunks (docs/method.md section 3.1).
 
     The newest chunk ``floor(r / C)`` is always kept (and returned separately by the caller's rule), chunk 0 too
     when ``keep_sink``; the other ``Nmax - 1`` (``Nmax - 2`` with the sink) slots take the top-scoring complete
@@ -402,7 +402,7 @@ def history_indices(anchor_chunks: torch.Tensor | None, root, chunk: int, slots:
     """The draft's history at step 0: anchor tokens plus a rolling window of the most recent other positions.
 
     ``history = anchor tokens U W`` (sorted), W = the most recent positions ``< r`` that are not anchor tokens,
-    up to ``slots - |anchor tokens|`` of them (DIFFSPEC.md section 3.2). The root is never included.
+    up to ``slots - |anchor tokens|`` of them (docs/method.md section 3.2). The root is never included.
 
     Args:
         anchor_chunks: int ``[B, A]`` selected complete chunk ids (``-1`` = empty), or ``None`` (no anchors: a

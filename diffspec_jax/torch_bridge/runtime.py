@@ -1,7 +1,7 @@
 """The DiffSpec draft-side runtime of a torch serving engine (vLLM-style, CUDA or Ascend).
 
 :class:`DiffspecRuntime` owns, per request slot, the draft's canonical pre-RoPE K/V store, the retrieval
-selection (anchor chunks), the retrieval cadence and the ``retrieval_status`` counters (DIFFSPEC.md sections
+selection (anchor chunks), the retrieval cadence and the ``retrieval_status`` counters (docs/method.md sections
 4, 5 and 11). An engine calls it at fixed points of its cycle (see ``torch_bridge/README.md``)::
 
     slot = rt.add_request(rid)                                   # admission: lowest free slot
@@ -275,7 +275,7 @@ class DiffspecRuntime:
     def on_prefill_done(self, request_ids: Sequence[Hashable], root, *, query: torch.Tensor | None = None,
                         lse: torch.Tensor | None = None, keys: torch.Tensor | PagedKeys | None = None,
                         draft_query: torch.Tensor | None = None) -> list[bool]:
-        """End of prefill: the retrieval after prefill (``diffspec_retrieve_after_prefill``, DIFFSPEC.md 4).
+        """End of prefill: the retrieval after prefill (``diffspec_retrieve_after_prefill``, docs/method.md section 4).
 
         Args:
             request_ids: batch order; root: int ``[B]`` the last prompt position P - 1 of each request.
@@ -403,8 +403,9 @@ class DiffspecRuntime:
     def rebuild(self, request_ids: Sequence[Hashable], root) -> WorkingCache:
         """Draft step 0: rebuild the working cache of each request for root r (after :meth:`on_commit`).
 
-        History = anchor tokens + rolling window of the most recent other positions ``< r`` (DIFFSPEC.md 3.2),
-        gathered from the store, keys rotated with the draft's RoPE at local positions ``0..n-1``.
+        History = anchor tokens + rolling window of the most recent other positions ``< r``
+        (docs/method.md section 3.2), gathered from the store, keys rotated with the draft's RoPE at local positions
+        ``0..n-1``.
 
         Args:
             request_ids: batch order (B <= max_slots); root: int ``[B]`` r per request.
@@ -440,7 +441,7 @@ class DiffspecRuntime:
 
     # ------------------------------------------------------------------------------------------ status
     def retrieval_status(self) -> dict[str, Any]:
-        """``retrieval_status`` counters (DIFFSPEC.md section 11).
+        """``retrieval_status`` counters (docs/method.md section 11).
 
         Returns:
             ``{"aggregate": ..., "per_request": {request_id: {..., "slot": s}}, "lifetime": ...}``: ``aggregate``
