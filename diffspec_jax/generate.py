@@ -52,6 +52,19 @@ def _tokenizer(path: Path):
                               f"files are damaged or incomplete") from exc
 
 
+def _read_stdin() -> str:
+    """The prompt from standard input (``--prompt-file -``), as UTF-8 text."""
+    data = sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"standard input is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); convert it "
+                         f"to UTF-8 first") from None
+    if not text.strip():
+        raise InputError("--prompt-file - read an empty prompt from standard input")
+    return text
+
+
 def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
     if args.prompt_ids is not None:
         parts = [x.strip() for x in args.prompt_ids.split(",")]
@@ -66,7 +79,9 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
                                  f"{args.prompt_ids!r}") from None
         return ids
     text = None
-    if args.prompt_file is not None:
+    if args.prompt_file == "-":
+        text = _read_stdin()
+    elif args.prompt_file is not None:
         text = read_text(args.prompt_file, "prompt file")
     elif args.prompt is not None:
         text = args.prompt
@@ -94,7 +109,7 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file holding the prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt text (- reads standard input)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -144,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft_tp is not None and args.draft_tp < 1:
             raise ConfigError(f"--draft-tp must be 1 (replicated draft) or --tp, got {args.draft_tp}")
         embedded = args.target is None
+        if embedded and args.draft is not None:
+            raise ConfigError("--draft needs --target (the draft is bound to its target); without --target the "
+                              "embedded demo pair runs, which brings its own draft")
         if embedded:
             target_dir, draft_dir = default_pair()
             args.compare = args.compare or not args.no_draft  # the demo reports its speedup, measured here

@@ -178,3 +178,24 @@ def test_divergence_reports_the_targets_logit_gap(random_pair, capsys, monkeypat
                         capsys)
     assert "first divergence at new token 2" in out.err
     assert code == (0 if "near-tie, not" in out.err else 1)
+
+
+def test_prompt_from_standard_input_and_draft_without_target(monkeypatch, capsys, tmp_path):
+    """--prompt-file - reads the prompt from stdin (the same ids as --prompt with that text); empty stdin and
+    --draft without --target are usage errors."""
+    import io
+
+    text = "import os\n\ndef main(argv):\n    parser = "
+    args = ["--max-new-tokens", "4", "--no-draft", "--json", "--ignore-eos"]
+    code, out = run_cli(["--prompt", text] + args, capsys)
+    assert code == 0, out.err
+    want = json.loads(out.out)["ids"]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    code, out = run_cli(["--prompt-file", "-"] + args, capsys)
+    assert code == 0, out.err
+    assert json.loads(out.out)["ids"] == want
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"  \n")))
+    code, out = run_cli(["--prompt-file", "-"] + args, capsys)
+    assert code == 2 and "empty prompt from standard input" in out.err and "Traceback" not in out.err
+    code, out = run_cli(["--draft", str(tmp_path), "--prompt", "x"], capsys)
+    assert code == 2 and "--draft needs --target" in out.err
