@@ -23,7 +23,7 @@ import numpy as np
 from diffspec_jax.cache import HybridCache, KVCache
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.errors import ConfigError, InputError
-from diffspec_jax.models import family, llama
+from diffspec_jax.models import attention, family, llama
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 #: the ``prefill_chunk`` default of :func:`prefill` and ``generate()``: ``None`` = :func:`default_prefill_chunk`
@@ -270,9 +270,7 @@ def create_cache(model: TargetModel, batch: int, capacity: int, dtype=None) -> K
 def default_prefill_chunk(batch: int) -> int:
     """Prefill chunk width for ``batch`` sequences: :data:`FLASH_PREFILL_TOKENS` / batch where prefill runs on
     flash attention (GPUs with the fast kernels), else :data:`REFERENCE_PREFILL_CHUNK`."""
-    from diffspec_jax.models.attention import fast_path
-
-    if jax.default_backend() == "gpu" and fast_path():
+    if jax.default_backend() == "gpu" and attention.fast_path():
         return max(REFERENCE_PREFILL_CHUNK, FLASH_PREFILL_TOKENS // max(1, int(batch)) // 1024 * 1024)
     return REFERENCE_PREFILL_CHUNK
 

@@ -74,7 +74,8 @@ def _cudnn(q, k, v, *, scale, layout, mask, q_len=None, kv_len=None):
 
 def flash_prefix(q, k_buf, v_buf, start, scale):
     """Prefill queries ``[B, T, Hq, D]`` over the first ``start[b]`` rows of ``[B, Hkv, S, D]`` buffers.
-    Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``; an empty prefix gives 0 and NEG_INF."""
+    Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``; an empty prefix gives 0 and NEG_INF. Without cuDNN
+    (CPUs only: :func:`cache_attention` keeps float32 GPU prefill on the tiled loop) the dense reference runs."""
     if not _cudnn_ok(q):
         return attention_prefix(q, k_buf, v_buf, start, scale)
     b, t = q.shape[:2]
@@ -118,7 +119,9 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
     dense = t <= DENSE_ATTENTION_MAX_TOKENS
     if not dense and block_mask is not None:
         raise ValueError(f"a block of {t} > {DENSE_ATTENTION_MAX_TOKENS} tokens must be causal (prefill)")
-    if not fast_path():
+    # the flash prefill needs cuDNN (GPU, bf16/fp16); on a CPU its XLA stand-ins run (tests of the decomposition)
+    flash = dense or _cudnn_ok(q) or jax.default_backend() != "gpu"
+    if not fast_path() or not flash:
         if dense:
             mask = full_mask(start, causal_block_mask(b, t) if block_mask is None else block_mask, kb.shape[2])
             return attention_dense(q, kb, vb, mask, scale, heads_first=True), kb, vb
