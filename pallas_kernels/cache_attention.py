@@ -6,12 +6,16 @@ Inputs:
     k, v: ``[B, Hkv, S, D]`` one layer of the target cache (heads first, indexed by absolute position;
         ``Hq % Hkv == 0``, GQA with G = Hq / Hkv).
     lengths: int32 ``[B]`` in ``0..S``: every query of sequence b sees cache rows ``0 .. lengths[b] - 1`` (the
-        committed prefix; no causal structure: the caller attends the new block itself and merges the two parts
-        by log-sum-exp, :func:`diffspec_jax.models.layers.merge_attention`).
+        committed prefix; the caller attends the new block itself and merges the two parts by log-sum-exp,
+        :func:`diffspec_jax.models.layers.merge_attention`).
     scale: softmax scale (1 / sqrt(D)).
+    causal (static, default False): the chain form, for a block already written at rows ``lengths[b] + t``:
+        query t of sequence b sees rows ``0 .. lengths[b] + t`` (the prefix and the block causally), so a decode
+        or chain-verify step needs no separate block attention and no merge.
 Output:
     ``(out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32)``: lse is the natural log-sum-exp of the scaled
-    logits over the visible rows. A sequence with ``lengths[b] == 0`` gets ``out = 0`` and ``lse = NEG_INF``.
+    logits over the visible rows. A sequence with nothing visible (``lengths[b] == 0`` without ``causal``) gets
+    ``out = 0`` and ``lse = NEG_INF``.
     Softmax statistics in float32, probabilities cast to ``v.dtype`` for the ``p @ v`` product (as the reference
     does).
 
@@ -105,7 +109,7 @@ def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: in
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_blocks, group, steps, block,
-            tiles_per_split, seq_len, head_dim, cols, scale, precision):
+            tiles_per_split, seq_len, head_dim, cols, scale, precision, causal):
     from jax.experimental.pallas import triton as plgpu
 
     b, gr, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -121,7 +125,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_bloc
 
     q = plgpu.load(q_ref.at[b, t_of[:, None], head[:, None], d], mask=cols_in(real[:, None]),
                    other=jnp.zeros((), q_ref.dtype))
-    length = jnp.clip(plgpu.load(len_ref.at[b]), 0, seq_len)
+    prefix = plgpu.load(len_ref.at[b])
+    length = jnp.clip(prefix + (steps if causal else 0), 0, seq_len)   # rows any query of the program may see
+    row_end = jnp.clip(prefix + t_of + 1, 0, seq_len)[:, None] if causal else None  # [rows, 1] causal limits
     first = s * tiles_per_split * block
     n_tiles = jnp.clip((length - first + block - 1) // block, 0, tiles_per_split)
 
@@ -131,7 +137,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_bloc
         mask = cols_in(visible[:, None])
         k = plgpu.load(k_ref.at[b, g, pos[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
         v = plgpu.load(v_ref.at[b, g, pos[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
-        return online_softmax_step(carry, q, k, v, visible[None, :], scale=scale, precision=precision)
+        seen = pos[None, :] < row_end if causal else visible[None, :]
+        return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision)
 
     init = (jnp.zeros((rows, cols), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -141,9 +148,10 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_bloc
     plgpu.store(l_ref.at[b, g, s, r], l, mask=real)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block", "splits", "max_rows", "num_warps", "num_stages"))
-def cache_attention(q, k, v, lengths, *, scale, block=None, splits=None, max_rows=128, num_warps=None,
-                    num_stages=None):
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "block", "splits", "max_rows", "num_warps",
+                                             "num_stages"))
+def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits=None, max_rows=128,
+                    num_warps=None, num_stages=None):
     """Attention of new queries over the committed prefix of a heads-first KV cache (see the module docstring
     for shapes, dtypes and semantics).
 
@@ -162,7 +170,7 @@ def cache_attention(q, k, v, lengths, *, scale, block=None, splits=None, max_row
                                                                    max_rows=max_rows)
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
                                tiles_per_split=tiles_per_split, seq_len=s_len, head_dim=d, cols=next_pow2(d, 16),
-                               scale=scale, precision=dot_precision(k.dtype))
+                               scale=scale, precision=dot_precision(k.dtype), causal=causal)
     lengths = lengths.astype(jnp.int32)
     o, m, l = pl.pallas_call(
         kernel,
@@ -175,9 +183,10 @@ def cache_attention(q, k, v, lengths, *, scale, block=None, splits=None, max_row
                        num_stages=num_stages or default_tiling(rows)[1]),
     )(q, k, v, lengths)
     # split j saw rows iff it starts before the length (the kernel's n_tiles > 0); the others wrote no output
-    live = (jnp.arange(splits) * (tiles_per_split * block))[None, :] < jnp.clip(lengths, 0, s_len)[:, None]
+    seen = jnp.clip(lengths + (t if causal else 0), 0, s_len)
+    live = (jnp.arange(splits) * (tiles_per_split * block))[None, :] < seen[:, None]
     out, lse = merge_splits(o, m, l, live)                 # [B, Hkv, T * G, D], [B, Hkv, T * G]
-    empty = (lengths <= 0)[:, None, None]
+    empty = (seen <= 0)[:, None, None]
     out = jnp.where(empty[..., None], 0.0, rows_to_heads(out, t, group))
     lse = jnp.where(empty, NEG, rows_to_heads(lse, t, group))
     return out.astype(q.dtype), lse

@@ -68,12 +68,13 @@ def draft_attention(q, k, v, q_local, *, scale):
     return draft_attention_reference(q, k, v, q_local, scale=scale)
 
 
-def cache_attention(q, k, v, lengths, *, scale):
-    """See :func:`pallas_kernels.cache_attention.cache_attention` (``(out, lse)`` over the committed prefix)."""
+def cache_attention(q, k, v, lengths, *, scale, causal=False):
+    """See :func:`pallas_kernels.cache_attention.cache_attention` (``(out, lse)`` over the committed prefix, and
+    with ``causal`` over the chain block written after it)."""
     if kernel_backend() == "pallas":
         from pallas_kernels.cache_attention import cache_attention as kernel
 
-        return kernel(q, k, v, lengths, scale=scale)
+        return kernel(q, k, v, lengths, scale=scale, causal=causal)
     from diffspec_jax.models.layers import attention_prefix
 
-    return attention_prefix(q, k, v, lengths, scale)
+    return attention_prefix(q, k, v, lengths, scale, causal=causal)

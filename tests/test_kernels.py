@@ -124,6 +124,31 @@ def test_cache_attention(dtype, t, group, s, d, opts):
     close(lse, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("t, opts", [(1, {}), (5, dict(block=16, splits=3)), (13, dict(block=16, max_rows=16))])
+def test_cache_attention_causal(t, opts):
+    """The chain form: query t sees the prefix and block rows 0..t written after it (ragged prefixes, one of them
+    empty, one whose block runs into the end of the cache); rows past each query's end are poisoned with NaN."""
+    rng = np.random.default_rng(31 + t)
+    b, hkv, group, s, d = 4, 2, 4, 90, 32
+    q = jnp.asarray(rng.standard_normal((b, t, hkv * group, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32)
+    lengths = jnp.asarray([0, s - t, 37, 3], jnp.int32)
+    beyond = jnp.arange(s)[None, None, :, None] >= (lengths + t)[:, None, None, None]
+    out, lse = cache_attention(q, jnp.where(beyond, jnp.nan, k), jnp.where(beyond, jnp.nan, v), lengths,
+                               scale=d ** -0.5, causal=True, **opts)
+    end = np.asarray(lengths)[:, None] + np.arange(t)[None, :] + 1          # [B, T]: rows each query sees
+    logits = np.einsum("btkgd,bksd->btkgs", np.asarray(q).reshape(b, t, hkv, group, d), np.asarray(k)) * d ** -0.5
+    logits = np.where(np.arange(s)[None, None, None, None, :] < end[:, :, None, None, None], logits, -np.inf)
+    ref_lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    p = np.exp(logits - ref_lse[..., None])
+    ref_out = np.einsum("btkgs,bksd->btkgd", p, np.asarray(v)).reshape(b, t, hkv * group, d)
+    np.testing.assert_allclose(np.asarray(out), ref_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), ref_lse.reshape(b, t, hkv * group), rtol=2e-5, atol=2e-5)
+    ours = attention_prefix(q, k, v, lengths, d ** -0.5, causal=True)          # the reference form agrees too
+    np.testing.assert_allclose(np.asarray(ours[0]), ref_out, rtol=2e-5, atol=2e-5)
+
+
 def test_cache_attention_split_plan():
     """The default split counts: a few programs per SM (132) at batch 1 and 8 (8 KV heads, block 64)."""
     assert default_splits(1, 8, 65536, 64, sms=132) == 66 and default_splits(8, 8, 65536, 64, sms=132) == 9

@@ -9,12 +9,15 @@ computes exactly that and picks how:
   steps of up to :data:`DENSE_ATTENTION_MAX_TOKENS` tokens, the tiled online-softmax loop of
   :func:`diffspec_jax.models.layers.attention_tiled` for longer (prefill) chunks. These are the numerics every
   test checks against transformers.
-* **fast** (``DIFFSPEC_KERNELS=pallas``, the default on GPUs): the two parts are computed separately and merged
-  by their log-sum-exp (:func:`diffspec_jax.models.layers.merge_attention`). The prefix goes through
-  :func:`pallas_kernels.dispatch.cache_attention` for short steps (split-K flash decoding: the ``T x G`` query
-  rows of a KV head share one read of each KV tile, so verifying K + 1 tokens reads the cache once, like a
-  decode step) and through cuDNN's flash attention for prefill chunks; the block is a small dense attention
-  (short steps) or cuDNN causal flash attention (prefill). Nothing of size ``[T, S]`` is ever built.
+* **fast** (``DIFFSPEC_KERNELS=pallas``, the default on GPUs): a decode or chain-verify step is one call of
+  :func:`pallas_kernels.dispatch.cache_attention` in its causal form over the buffer with the block already
+  written (split-K flash decoding: the ``T x G`` query rows of a KV head share one read of each KV tile, so
+  verifying K + 1 tokens reads the cache once, like a decode step). A tree block and a prefill chunk compute
+  the prefix and the block separately and merge them by their log-sum-exp
+  (:func:`diffspec_jax.models.layers.merge_attention`): the prefix by the same kernel (trees) or cuDNN's flash
+  attention (prefill), the block densely under its ancestry mask (trees) or by cuDNN causal flash attention
+  (prefill; the first chunk of a prompt, with no prefix, skips the prefix call and the merge). Nothing of size
+  ``[T, S]`` is ever built.
 * On a CPU with ``DIFFSPEC_KERNELS=pallas`` the fast path runs with the Pallas kernel interpreted and XLA in
   place of cuDNN, so its decomposition and merge are tested without a GPU.
 
@@ -127,11 +130,23 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
             return attention_dense(q, kb, vb, mask, scale, heads_first=True), kb, vb
         return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, kb.shape[2]), heads_first=True), \
             kb, vb
-    if dense:
+    if dense and block_mask is None:  # a chain: one kernel over the prefix and the block just written
+        return dispatch.cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale, causal=True), kb, vb
+    if dense:  # a tree block: the prefix by the kernel, the block under its ancestry mask, merged
         prefix = dispatch.cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale)
-        block = attention_dense(q, k, v, causal_block_mask(b, t) if block_mask is None else block_mask, scale)
-    else:
+        block = attention_dense(q, k, v, block_mask, scale)
+        out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
+        return (out.astype(q.dtype), lse), kb, vb
+    kq, vq = k.astype(q.dtype), v.astype(q.dtype)
+
+    def with_prefix():
         prefix = flash_prefix(q, kb, vb, start, scale)
-        block = flash_causal(q, k.astype(q.dtype), v.astype(q.dtype), scale)
-    out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
-    return (out.astype(q.dtype), lse), kb, vb
+        block = flash_causal(q, kq, vq, scale)
+        out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
+        return out.astype(q.dtype), lse
+
+    def block_only():  # the first chunk of every prompt: nothing to merge
+        out, lse = flash_causal(q, kq, vq, scale)
+        return out.astype(q.dtype), lse
+
+    return jax.lax.cond(jnp.any(start > 0), with_prefix, block_only), kb, vb

@@ -104,23 +104,25 @@ def attention_dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, s
     return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype), lse
 
 
-def attention_prefix(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, scale: float
-                     ) -> tuple[jax.Array, jax.Array]:
+def attention_prefix(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, scale: float, *,
+                     causal: bool = False) -> tuple[jax.Array, jax.Array]:
     """GQA of new queries over the first ``lengths[b]`` rows of a heads-first cache (the reference form of
     :func:`pallas_kernels.cache_attention.cache_attention`).
 
     Args:
         q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]``; lengths: int32 ``[B]`` in ``0..S``: every query of
             sequence b sees rows ``0 .. lengths[b] - 1`` (the committed prefix).
+        causal: query t also sees rows ``lengths[b] .. lengths[b] + t`` (a chain block already written there).
     Returns:
-        ``(out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32)``. A sequence with ``lengths[b] == 0`` sees
-        nothing: its ``out`` is 0 and its ``lse`` is :data:`NEG_INF`, so a log-sum-exp merge gives it no weight.
+        ``(out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32)``. A sequence that sees nothing
+        (``lengths[b] == 0`` without ``causal``): ``out`` 0 and ``lse`` :data:`NEG_INF`, so a log-sum-exp merge
+        gives it no weight.
     """
     b, t = q.shape[:2]
-    visible = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
-    out, lse = attention_dense(q, k, v, jnp.broadcast_to(visible[:, None, :], (b, t, k.shape[2])), scale,
-                               heads_first=True)
-    empty = (lengths <= 0)[:, None, None]
+    end = lengths[:, None] + (jnp.arange(t)[None, :] + 1 if causal else 0)            # [B, T] rows seen
+    visible = jnp.arange(k.shape[2])[None, None, :] < end[:, :, None]
+    out, lse = attention_dense(q, k, v, visible, scale, heads_first=True)
+    empty = (end[:, :1] <= 0)[:, :, None]
     return jnp.where(empty[..., None], jnp.zeros((), out.dtype), out), jnp.where(empty, NEG_INF, lse)
 
 
