@@ -142,11 +142,15 @@ def write_rows(buf: jax.Array, rows: jax.Array, positions: jax.Array, *, heads_f
     """Scatter ``rows [B, T, ...]`` into ``buf`` at ``positions [B, T]``; out-of-range rows are dropped.
 
     ``buf`` is ``[B, S, ...]``, or ``[B, H, S, D]`` when ``heads_first`` (the target cache; ``rows`` stay
-    ``[B, T, H, D]``)."""
+    ``[B, T, H, D]``). A sequence's positions must be distinct (its T rows land on T different rows): the target
+    cache's scatter is declared free of collisions and writes one ``[H, D]`` window per (sequence, row)."""
     bidx = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], positions.shape)
     if heads_first:
-        heads = jnp.arange(buf.shape[1])[None, None, :]
-        return buf.at[bidx[:, :, None], heads, positions[:, :, None]].set(rows.astype(buf.dtype), mode="drop")
+        dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3), inserted_window_dims=(0, 2),
+                                               scatter_dims_to_operand_dims=(0, 2))
+        return jax.lax.scatter(buf, jnp.stack([bidx, positions.astype(bidx.dtype)], axis=-1),
+                               rows.astype(buf.dtype), dims, unique_indices=True,
+                               mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
     return buf.at[bidx, positions].set(rows.astype(buf.dtype), mode="drop")
 
 

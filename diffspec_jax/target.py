@@ -240,17 +240,20 @@ def forward(model: TargetModel, token_ids: Any, *, mesh=None) -> jax.Array:
 
 
 def _step(config: ModelConfig, params, cache, tokens, start, rows, *, aux_layers: tuple[int, ...] = (),
-          score_layer: int | None = None, axis_name: str | None = None, num_valid=None, snapshots: bool = False):
+          score_layer: int | None = None, axis_name: str | None = None, num_valid=None, snapshots: bool = False,
+          first_chunk: bool = False):
     """The family's cached step (see :mod:`diffspec_jax.models`)."""
     return family(config).step(config, params, cache, tokens, start, rows, aux_layers=aux_layers,
                                score_layer=score_layer, axis_name=axis_name, num_valid=num_valid,
-                               snapshots=snapshots)
+                               snapshots=snapshots, first_chunk=first_chunk)
 
 
 #: the cached step, jitted once per (config, shapes, aux layers, scoring layer); the cache is donated.
 #: ``num_valid`` (int32 ``[B]``, optional) = tokens per sequence that are real (hybrid models keep padding out of
-#: their recurrent state); ``snapshots`` keeps per-position states for :func:`commit`.
-step_fn = jax.jit(_step, static_argnames=("config", "aux_layers", "score_layer", "axis_name", "snapshots"),
+#: their recurrent state); ``snapshots`` keeps per-position states for :func:`commit`; ``first_chunk`` (static)
+#: promises every ``start`` is 0.
+step_fn = jax.jit(_step, static_argnames=("config", "aux_layers", "score_layer", "axis_name", "snapshots",
+                                         "first_chunk"),
                   donate_argnames=("cache",))
 
 
@@ -333,7 +336,8 @@ def prefill(model: TargetModel, cache: KVCache | HybridCache, prompts: Sequence[
         rows = np.clip(last - c * width, 0, width - 1).astype(np.int32)[:, None]
         valid = np.clip(np.asarray(lengths) - c * width, 0, width).astype(np.int32)
         out, cache = step_fn(model.config, model.params, cache, jnp.asarray(tokens[:, c * width:(c + 1) * width]),
-                             jnp.asarray(start), jnp.asarray(rows), num_valid=jnp.asarray(valid))
+                             jnp.asarray(start), jnp.asarray(rows), num_valid=jnp.asarray(valid),
+                             first_chunk=c == 0 and attention.fast_path())
         in_chunk = jnp.asarray((last >= c * width) & (last < (c + 1) * width))[:, None]
         logits = out.logits[:, 0] if logits is None else jnp.where(in_chunk, out.logits[:, 0], logits)
     return logits, cache

@@ -25,7 +25,9 @@ KV head (row ``t * G + j``, padded to a power of two >= 16 for the dot; ``row_bl
 walks the range with an online softmax (:func:`pallas_kernels.common.online_softmax_step`), so all the query rows of
 a KV head share one read of each K and V tile, and writes unnormalised partial outputs with their (max, sum)
 statistics. Tiles wholly at or past ``lengths[b]`` are not read (a data-dependent trip count), and a split with no
-visible row writes no partial output. A small XLA epilogue (:func:`pallas_kernels.common.merge_splits`) merges the
+visible row writes no partial output. In the ``causal`` form the prefix tiles keep this one-dimensional mask, and
+the split whose range holds row ``lengths[b]`` then attends the block in one more tile of ``T`` rows (padded to 16)
+under the causal mask. A small XLA epilogue (:func:`pallas_kernels.common.merge_splits`) merges the
 splits and forms lse. Bytes moved: one read of the visible K and V rows (times ``row_blocks``), plus
 ``B x Hkv x splits x T x G x (D + 2)`` float32 partials written and read back.
 
@@ -109,7 +111,7 @@ def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: in
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_blocks, group, steps, block,
-            tiles_per_split, seq_len, head_dim, cols, scale, precision, causal):
+            tiles_per_split, splits, seq_len, head_dim, cols, scale, precision, causal):
     from jax.experimental.pallas import triton as plgpu
 
     b, gr, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -126,24 +128,37 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_bloc
     q = plgpu.load(q_ref.at[b, t_of[:, None], head[:, None], d], mask=cols_in(real[:, None]),
                    other=jnp.zeros((), q_ref.dtype))
     prefix = plgpu.load(len_ref.at[b])
-    length = jnp.clip(prefix + (steps if causal else 0), 0, seq_len)   # rows any query of the program may see
-    row_end = jnp.clip(prefix + t_of + 1, 0, seq_len)[:, None] if causal else None  # [rows, 1] causal limits
+    length = jnp.clip(prefix, 0, seq_len)
     first = s * tiles_per_split * block
     n_tiles = jnp.clip((length - first + block - 1) // block, 0, tiles_per_split)
 
-    def body(i, carry):
-        pos = first + i * block + jnp.arange(block)
-        visible = pos < length                            # rows at or past the length are never read
-        mask = cols_in(visible[:, None])
+    def tile(carry, pos, visible, seen):
+        mask = cols_in(visible[:, None])                  # rows not visible are never read
         k = plgpu.load(k_ref.at[b, g, pos[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
         v = plgpu.load(v_ref.at[b, g, pos[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
-        seen = pos[None, :] < row_end if causal else visible[None, :]
         return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision)
+
+    def body(i, carry):                                   # the committed prefix: rows < length
+        pos = first + i * block + jnp.arange(block)
+        visible = pos < length
+        return tile(carry, pos, visible, visible[None, :])
 
     init = (jnp.zeros((rows, cols), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, n_tiles, body, init)
-    plgpu.store(o_ref.at[b, g, s, r[:, None], d], acc, mask=cols_in((real & (n_tiles > 0))[:, None]))
+    saw = n_tiles > 0
+    if causal:  # the block rows prefix .. prefix + steps - 1, once, by the split whose range holds row `prefix`
+        owns = s == jnp.minimum(length // (tiles_per_split * block), splits - 1)
+        width = next_pow2(steps, 16)
+
+        def block_tile(_, carry):
+            pos = prefix + jnp.arange(width)
+            visible = (pos < prefix + steps) & (pos < seq_len)
+            return tile(carry, pos, visible, visible[None, :] & (pos[None, :] <= (prefix + t_of)[:, None]))
+
+        acc, m, l = jax.lax.fori_loop(0, owns.astype(jnp.int32), block_tile, (acc, m, l))
+        saw = saw | owns
+    plgpu.store(o_ref.at[b, g, s, r[:, None], d], acc, mask=cols_in((real & saw)[:, None]))
     plgpu.store(m_ref.at[b, g, s, r], m, mask=real)
     plgpu.store(l_ref.at[b, g, s, r], l, mask=real)
 
@@ -169,7 +184,7 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     rows, row_blocks, block, tiles_per_split, splits = launch_plan(b, t, hq, hkv, s_len, block=block, splits=splits,
                                                                    max_rows=max_rows)
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
-                               tiles_per_split=tiles_per_split, seq_len=s_len, head_dim=d, cols=next_pow2(d, 16),
+                               tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d, cols=next_pow2(d, 16),
                                scale=scale, precision=dot_precision(k.dtype), causal=causal)
     lengths = lengths.astype(jnp.int32)
     o, m, l = pl.pallas_call(
@@ -183,10 +198,12 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
                        num_stages=num_stages or default_tiling(rows)[1]),
     )(q, k, v, lengths)
     # split j saw rows iff it starts before the length (the kernel's n_tiles > 0); the others wrote no output
-    seen = jnp.clip(lengths + (t if causal else 0), 0, s_len)
-    live = (jnp.arange(splits) * (tiles_per_split * block))[None, :] < seen[:, None]
+    prefix = jnp.clip(lengths, 0, s_len)[:, None]
+    live = (jnp.arange(splits) * (tiles_per_split * block))[None, :] < prefix
+    if causal:  # and the split that attended the block
+        live = live | (jnp.arange(splits)[None, :] == jnp.minimum(prefix // (tiles_per_split * block), splits - 1))
     out, lse = merge_splits(o, m, l, live)                 # [B, Hkv, T * G, D], [B, Hkv, T * G]
-    empty = (seen <= 0)[:, None, None]
+    empty = (jnp.clip(lengths + (t if causal else 0), 0, s_len) <= 0)[:, None, None]
     out = jnp.where(empty[..., None], 0.0, rows_to_heads(out, t, group))
     lse = jnp.where(empty, NEG, rows_to_heads(lse, t, group))
     return out.astype(q.dtype), lse

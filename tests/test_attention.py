@@ -49,6 +49,18 @@ def test_fast_matches_reference(monkeypatch, t, starts):
         np.testing.assert_allclose(a, r, **TOL)
 
 
+def test_first_chunk_without_prefix(monkeypatch):
+    """A prompt's first prefill chunk, promised to start at 0 (``prefix=False``), skips the prefix: same result."""
+    rng = np.random.default_rng(11)
+    q, k, v, kb, vb = _inputs(rng, 2, 128, 4, 2, 256)
+    start = jnp.zeros((2,), jnp.int32)
+    ref = _run("reference", monkeypatch, q, k, v, kb, vb, start)
+    monkeypatch.setenv("DIFFSPEC_KERNELS", "pallas")
+    (out, lse), kb2, _ = jax.jit(lambda *a: cache_attention(*a, 0.25, prefix=False))(q, k, v, kb, vb, start)
+    for a, r in zip((out, lse, kb2), ref):
+        np.testing.assert_allclose(np.asarray(a, np.float32), r, **TOL)
+
+
 def test_fast_tree_block_matches_reference(monkeypatch):
     """A tree block: each row sees the prefix and the block rows its ancestry marks."""
     rng = np.random.default_rng(5)

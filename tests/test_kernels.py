@@ -127,13 +127,14 @@ def test_cache_attention(dtype, t, group, s, d, opts):
 @pytest.mark.parametrize("t, opts", [(1, {}), (5, dict(block=16, splits=3)), (13, dict(block=16, max_rows=16))])
 def test_cache_attention_causal(t, opts):
     """The chain form: query t sees the prefix and block rows 0..t written after it (ragged prefixes, one of them
-    empty, one whose block runs into the end of the cache); rows past each query's end are poisoned with NaN."""
+    empty, one whose block runs into the end of the cache, one starting a split's range); rows past each query's
+    end are poisoned with NaN."""
     rng = np.random.default_rng(31 + t)
-    b, hkv, group, s, d = 4, 2, 4, 90, 32
+    b, hkv, group, s, d = 5, 2, 4, 90, 32
     q = jnp.asarray(rng.standard_normal((b, t, hkv * group, d)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32)
-    lengths = jnp.asarray([0, s - t, 37, 3], jnp.int32)
+    lengths = jnp.asarray([0, s - t, 37, 3, 64], jnp.int32)  # 64: the block starts a split of 2 x 16 rows
     beyond = jnp.arange(s)[None, None, :, None] >= (lengths + t)[:, None, None, None]
     out, lse = cache_attention(q, jnp.where(beyond, jnp.nan, k), jnp.where(beyond, jnp.nan, v), lengths,
                                scale=d ** -0.5, causal=True, **opts)

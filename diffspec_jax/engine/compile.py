@@ -94,7 +94,8 @@ def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
     d-deep chain taking per-sequence depths; ``tree_cycle(tparams, dparams, state, active, caps, budget)`` the tree
     cycle; ``block(c)`` the device loop of up to ``c`` cycles, ``(tparams, dparams, state, loop, stops, caps,
     budget) -> (state, loop, BlockOut)`` (state and loop donated). ``programs`` holds the ahead-of-time
-    compiled :class:`_Program` versions :func:`generate` runs: ``prefill_chunk``, ``start_decode``, ``retrieve``,
+    compiled :class:`_Program` versions :func:`generate` runs: ``prefill_first`` (a prompt's first chunk) and
+    ``prefill_chunk`` (the others), ``start_decode``, ``retrieve``,
     ``block(c)`` and ``init(batch, target_dtype, draft_dtype)`` (``(key) -> DecodeState``).
     """
     dp = sharding.DP if plan.dp > 1 else None
@@ -118,6 +119,8 @@ def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
     cycle_out = (st, rows2, row, row, row)
     out = SimpleNamespace(
         prefill_chunk=make(_prefill_chunk, 2, (tparams, dparams, st, acc, rows2, rows2, row, row), (st, acc)),
+        prefill_first=make(functools.partial(_prefill_chunk, first=True), 2,
+                           (tparams, dparams, st, acc, rows2, rows2, row, row), (st, acc)),
         start_decode=make(_start_decode, 0, (st, acc, row), (st, row)),
         retrieve=make(_retrieve, 2, (tparams, dparams, st, row), (st, P(tp, dp, None))),
         cycle=make(_spec_cycle if plan.speculative else _target_cycle, 2, (tparams, dparams, st, row), cycle_out))
@@ -139,7 +142,8 @@ def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
         return _Program(jax.jit(fn, out_shardings=sharding.named(state_specs(plan), plan.mesh)))
 
     out.programs = SimpleNamespace(
-        prefill_chunk=_Program(out.prefill_chunk), start_decode=_Program(out.start_decode),
+        prefill_chunk=_Program(out.prefill_chunk), prefill_first=_Program(out.prefill_first),
+        start_decode=_Program(out.start_decode),
         retrieve=_Program(out.retrieve), block=functools.lru_cache(maxsize=None)(lambda c: _Program(out.block(c))),
         init=functools.lru_cache(maxsize=None)(init))
     return out

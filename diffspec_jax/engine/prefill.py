@@ -24,15 +24,17 @@ class _PrefillAcc:
 
 
 def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _PrefillAcc, tokens, next_tokens,
-                   start, lengths):
-    """Target prefill of one chunk; the draft's K/V of the chunk's entries are projected and stored."""
+                   start, lengths, *, first: bool = False):
+    """Target prefill of one chunk; the draft's K/V of the chunk's entries are projected and stored. ``first``
+    (static): the prompts' first chunk (every ``start`` is 0), whose attention has no prefix to read."""
     b, w = tokens.shape
     last = lengths - 1
     rows = jnp.clip(last - start, 0, w - 1)[:, None]
     out, tcache = family(plan.target).step(plan.target, tparams, state.target_cache, tokens, start, rows,
                                            aux_layers=plan.aux_layers if plan.draft is not None else (),
                                            score_layer=plan.score_layer, axis_name=plan.tp_axis,
-                                           num_valid=jnp.clip(lengths - start, 0, w))  # padding stays out of states
+                                           num_valid=jnp.clip(lengths - start, 0, w),  # padding stays out of states
+                                           first_chunk=first)
     in_chunk = (last >= start) & (last < start + w)
     sel = lambda new, old: jnp.where(in_chunk.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
     acc = acc.replace(logits=sel(out.logits[:, 0], acc.logits))

@@ -16,8 +16,8 @@ computes exactly that and picks how:
   the prefix and the block separately and merge them by their log-sum-exp
   (:func:`diffspec_jax.models.layers.merge_attention`): the prefix by the same kernel (trees) or cuDNN's flash
   attention (prefill), the block densely under its ancestry mask (trees) or by cuDNN causal flash attention
-  (prefill; the first chunk of a prompt, with no prefix, skips the prefix call and the merge). Nothing of size
-  ``[T, S]`` is ever built.
+  (prefill; a prompt's first chunk, called with ``prefix=False``, skips the prefix call and the merge). Nothing
+  of size ``[T, S]`` is ever built.
 * On a CPU with ``DIFFSPEC_KERNELS=pallas`` the fast path runs with the Pallas kernel interpreted and XLA in
   place of cuDNN, so its decomposition and merge are tested without a GPU.
 
@@ -100,7 +100,7 @@ def flash_causal(q, k, v, scale):
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, v_buf: jax.Array,
                     start: jax.Array, scale: float, *, positions: jax.Array | None = None,
-                    block_mask: jax.Array | None = None):
+                    block_mask: jax.Array | None = None, prefix: bool = True):
     """Write a step's new K/V into the layer's buffers and attend its queries over prefix + block.
 
     Args:
@@ -111,6 +111,8 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
             reads them (a tree's rows are written at ``start + i`` but rotated at ``start + depth``).
         block_mask: bool ``[B, T, T]`` which block rows each block row sees (default causal; trees pass their
             ancestry mask). Prefill chunks (``T > DENSE_ATTENTION_MAX_TOKENS``) must be causal.
+        prefix: static; ``False`` promises ``start == 0`` for every row (a prompt's first prefill chunk), so the
+            fast path skips the prefix attention and the merge. Decode and verification steps ignore it.
     Returns:
         ``((out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32), k_buf, v_buf)``.
     """
@@ -137,16 +139,9 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
         block = attention_dense(q, k, v, block_mask, scale)
         out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
         return (out.astype(q.dtype), lse), kb, vb
-    kq, vq = k.astype(q.dtype), v.astype(q.dtype)
-
-    def with_prefix():
-        prefix = flash_prefix(q, kb, vb, start, scale)
-        block = flash_causal(q, kq, vq, scale)
-        out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
-        return out.astype(q.dtype), lse
-
-    def block_only():  # the first chunk of every prompt: nothing to merge
-        out, lse = flash_causal(q, kq, vq, scale)
-        return out.astype(q.dtype), lse
-
-    return jax.lax.cond(jnp.any(start > 0), with_prefix, block_only), kb, vb
+    block = flash_causal(q, k.astype(q.dtype), v.astype(q.dtype), scale)
+    if not prefix:  # a prompt's first chunk: nothing before it, nothing to merge
+        return (block[0].astype(q.dtype), block[1]), kb, vb
+    before = flash_prefix(q, kb, vb, start, scale)
+    out, lse = merge_attention(before[0], before[1], block[0], block[1])
+    return (out.astype(q.dtype), lse), kb, vb

@@ -255,8 +255,8 @@ def concat_aux(aux: list, aux_layers: tuple[int, ...], num_layers: int) -> jax.A
 
 def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, start: jax.Array,
          rows: jax.Array, *, aux_layers: tuple[int, ...] = (), score_layer: int | None = None,
-         axis_name: str | None = None, tree: tuple[jax.Array, jax.Array] | None = None
-         ) -> tuple[StepOutput, KVCache]:
+         axis_name: str | None = None, tree: tuple[jax.Array, jax.Array] | None = None,
+         first_chunk: bool = False) -> tuple[StepOutput, KVCache]:
     """Run ``T`` new tokens per sequence against the cache and write their K/V into it.
 
     Serves prefill chunks (T = chunk), decode (T = 1) and verification (T = K + 1) with one code path.
@@ -272,6 +272,8 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
         tree: ``(depth int32 [B, T], ancestry bool [B, T, T])`` to verify a draft tree (:mod:`diffspec_jax.tree`):
             token t is written at row ``start + t`` but rotated at position ``start + depth[t]``, and attends to
             the committed prefix (rows ``< start``) plus the block rows its ancestry row marks.
+        first_chunk: static; ``True`` promises ``start == 0`` for every sequence (a prompt's first prefill chunk):
+            attention then skips the (empty) prefix (:func:`diffspec_jax.models.attention.cache_attention`).
     Returns:
         ``(StepOutput, updated cache)``. Positions ``>= capacity`` are not written (and must not be queried).
     """
@@ -291,7 +293,7 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
 
         def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
             out, kb, vb = cache_attention(q, k, v, k_buf, v_buf, start, scale, positions=positions,
-                                          block_mask=block_mask)
+                                          block_mask=block_mask, prefix=not first_chunk)
             new_k.append(kb)
             new_v.append(vb)
             return out

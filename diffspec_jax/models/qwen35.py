@@ -369,8 +369,8 @@ def _lm_head(config: ModelConfig, params: Params, x: jax.Array, axis_name) -> ja
 # ----------------------------------------------------------------------------------------------- steps
 def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Array, start: jax.Array,
          rows: jax.Array, *, aux_layers: tuple[int, ...] = (), score_layer: int | None = None,
-         axis_name: str | None = None, num_valid: jax.Array | None = None, snapshots: bool = False
-         ) -> tuple[StepOutput, HybridCache]:
+         axis_name: str | None = None, num_valid: jax.Array | None = None, snapshots: bool = False,
+         first_chunk: bool = False) -> tuple[StepOutput, HybridCache]:
     """Run ``T`` new tokens per sequence against the hybrid cache (contract of :func:`llama.step`, plus):
 
     Args:
@@ -378,6 +378,7 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
             T tokens are written (position-indexed, harmless beyond a sequence's length).
         snapshots: also return ``StepOutput.states`` (:class:`StateSnapshots`), the DeltaNet states before the step
             and after each token, for :func:`commit` (verification). Forces the token-by-token recurrence.
+        first_chunk: as in :func:`llama.step` (every ``start`` is 0).
     Returns:
         ``(StepOutput, cache)``; the cache holds the DeltaNet states after ``num_valid`` tokens.
     """
@@ -405,7 +406,7 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
 
             def attend(q, k, v, slot=slot):
                 out, new_k[slot], new_v[slot] = cache_attention(q, k, v, new_k[slot], new_v[slot], start, scale,
-                                                                positions=positions)
+                                                                positions=positions, prefix=not first_chunk)
                 return out
 
             o, q, lse = _attention_block(config, lp, h, cos, sin, attend, axis_name)
