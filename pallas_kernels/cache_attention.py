@@ -181,12 +181,14 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     if hq % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"cache_attention: q {q.shape} does not fit k {k.shape} / v {v.shape}")
     group = hq // hkv
+    lengths = lengths.astype(jnp.int32)
+    if causal and t == 1:  # a decode step: its one query sees rows < length + 1, the plain form (no block tile)
+        lengths, causal = lengths + 1, False
     rows, row_blocks, block, tiles_per_split, splits = launch_plan(b, t, hq, hkv, s_len, block=block, splits=splits,
                                                                    max_rows=max_rows)
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
-                               tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d, cols=next_pow2(d, 16),
-                               scale=scale, precision=dot_precision(k.dtype), causal=causal)
-    lengths = lengths.astype(jnp.int32)
+                               tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d,
+                               cols=next_pow2(d, 16), scale=scale, precision=dot_precision(k.dtype), causal=causal)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv * row_blocks, splits),
