@@ -336,7 +336,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                 else capacity_bucket(need, tc.max_position_embeddings + k_block + 1))
     # the stop ids are an input of the device loop, not part of its programs: targets that differ only in their
     # EOS ids share the compiled programs
-    plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()), draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
+    plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
+                draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
                 aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
                 mesh=mesh, draft_tp=draft_tp, kernels=dispatch.kernel_backend())
     enable_compilation_cache()
