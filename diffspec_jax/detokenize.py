@@ -65,11 +65,6 @@ class IncrementalDetokenizer:
     def text(self) -> str:
         return self._text
 
-    @property
-    def ids(self) -> list[int]:
-        """Every id pushed so far (a copy)."""
-        return list(self._ids)
-
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=self._skip)
 

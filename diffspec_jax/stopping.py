@@ -182,7 +182,7 @@ class SequenceText:
             return "", []
         ids = [int(i) for i in ids]
         self._ids.extend(ids)
-        piece, hit = self._stops.feed(self._detok.push(ids))
+        piece, _ = self._stops.feed(self._detok.push(ids))
         return self._advance(piece, final=False)
 
     def finish(self) -> tuple[str, list[int]]:
