@@ -36,7 +36,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("diffspec_jax.serve", "an HTTP server for generation (diffspec_jax.serve, where installed)"),
 }
 #: the benchmark scripts ``diffspec bench`` runs (``benchmarks/NAME.py``, each with ``main(argv)``)
-BENCHMARKS = ("e2e", "paired", "long_context", "kernels", "lossless_check", "decode_ablation", "copy_probe")
+BENCHMARKS = ("e2e", "paired", "long_context", "kernels", "lossless_check", "decode_ablation", "copy_probe",
+              "profile_steps")
 
 
 def build_parser() -> ArgumentParser:
