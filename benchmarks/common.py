@@ -97,6 +97,53 @@ def write_json(path: str | Path, payload: dict) -> Path:
     return path
 
 
+def repo_relative(path: str | Path | None) -> str | None:
+    """``path`` as a repository-relative path for a figure title: a relative path as given; an absolute one by
+    its longest tail that names something in this repository (``/root/clone/diffspec_jax/demo/pair/target`` ->
+    ``diffspec_jax/demo/pair/target``, wherever the run's checkout was); ``None`` for anything else (the title
+    then names no path)."""
+    if not path:
+        return None
+    p = Path(path)
+    if not p.is_absolute():
+        return p.as_posix()
+    parts = p.parts[1:]
+    for i in range(len(parts)):
+        tail = Path(*parts[i:])
+        if (REPO / tail).exists():
+            return tail.as_posix()
+    return None
+
+
+def context_axis(ax, contexts: Sequence[int]) -> None:
+    """A context-length x axis: log2 scale, one tick per measured context labelled ``2K`` / ``16K`` / ``512``."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(contexts), [f"{c / 1024:g}K" if c >= 1024 else str(c) for c in contexts])
+    ax.minorticks_off()
+    ax.set_xlabel("context (tokens)")
+
+
+def log_yticks(ax, most: int = 8) -> None:
+    """Plain-number ticks (``0.3``, ``1``, ``4``, ``20``) on a log-scaled y axis, spanning the plotted data (a
+    log axis otherwise labels only powers of ten, often one or none)."""
+    import matplotlib.ticker
+
+    shown = [float(v) for line in ax.get_lines() for v in line.get_ydata() if v is not None and float(v) > 0
+             and float(v) < float("inf")]
+    if not shown:
+        return
+    lo, hi = 0.9 * min(shown), 1.1 * max(shown)
+    ticks = [m * 10.0 ** e for e in range(-4, 6) for m in (1, 1.5, 2, 3, 4, 6) if lo <= m * 10.0 ** e <= hi]
+    ticks = ticks[::-(-len(ticks) // most)] if ticks else ticks
+    ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
+def reference_line(ax, label: str = "1.0x (no gain)") -> None:
+    """The 1.0x line of a speedup or ratio axis."""
+    ax.axhline(1.0, color="black", lw=0.8, ls="--", label=label)
+
+
 def matmul_peak(n: int = 8192, repeats: int = 7) -> dict[str, float]:
     """bf16 matrix-product rate on random data: ``[n, n] @ [n, n]`` chained inside one jitted loop (the ceiling
     that prefill throughput is compared with). Returns ``{"flop_per_s", "n", "median_s", ...}``."""

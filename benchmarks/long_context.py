@@ -50,7 +50,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, copy_bandwidth, environment, matmul_peak, write_json
+from benchmarks.common import (REPO, context_axis, copy_bandwidth, environment, log_yticks, matmul_peak,
+                               reference_line, write_json)
 
 #: acceptance lengths (tokens per verification, bonus included) for projected speedups; random weights accept
 #: nothing, so the measured cycle times are combined with these
@@ -746,7 +747,6 @@ def plot(payload: dict, path: Path) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import matplotlib.ticker
     except ImportError:
         print("matplotlib is not installed: no figure", flush=True)
         return None
@@ -754,11 +754,10 @@ def plot(payload: dict, path: Path) -> str | None:
     batches = sorted({c["batch"] for c in cases})
     colors = {b: f"C{i}" for i, b in enumerate(batches)}
     fig, ax = plt.subplots(2, 2, figsize=(12, 8.5))
-    kctx = lambda c: c["context"] / 1024
 
     def series(b, key, scale=1e3):
         rows = sorted((c for c in cases if c["batch"] == b), key=lambda c: c["context"])
-        return [kctx(c) for c in rows], [c[key] * scale for c in rows]
+        return [c["context"] for c in rows], [c[key] * scale for c in rows]
 
     full = all("draft_propose_full_s" in c for c in cases)  # else --steps-only: prefill and verify panels
     for b in batches:
@@ -785,36 +784,37 @@ def plot(payload: dict, path: Path) -> str | None:
         ax[1, 1].set(title=f"Scoring + selection (every {payload['settings']['interval']} cycles) + gather",
                      ylabel="% of a DiffSpec cycle")
     else:
-        ax[1, 1].axhline(1.0, color="black", lw=0.8)
+        reference_line(ax[1, 1], "1.0x (verify as fast as decode)")
         ax[1, 1].axhline(TARGET_VERIFY_OVER_DECODE, color="gray", ls=":", label=f"target {TARGET_VERIFY_OVER_DECODE}x")
         ax[1, 1].set(title=f"Verify step (K = {k}) / decode step", ylabel="ratio")
         pre = sorted((r for r in payload.get("prefill", []) if r["batch"] == 1), key=lambda r: r["context"])
         if pre:
-            x = [r["context"] / 1024 for r in pre]
+            x = [r["context"] for r in pre]
             ax[0, 0].plot(x, [r["prefill_s"] for r in pre], "o-", color="C0", label="diffspec_jax generate()")
             ax[0, 0].plot(x, [r["floor_s_at_matmul_peak"] for r in pre], ":", color="C0",
                           label="FLOP floor at the measured matmul peak")
-            theirs = [(r["context"] / 1024, r["transformers_eager_prefill_s"]) for r in pre
+            theirs = [(r["context"], r["transformers_eager_prefill_s"]) for r in pre
                       if "transformers_eager_prefill_s" in r]
             if theirs:
                 ax[0, 0].plot([t[0] for t in theirs], [t[1] for t in theirs], "s-", color="C3",
                               label="transformers eager (sdpa)")
             for r in pre:
-                ax[0, 0].annotate(f"{100 * r['fraction_of_matmul_peak']:.0f}%", (r["context"] / 1024, r["prefill_s"]),
+                ax[0, 0].annotate(f"{100 * r['fraction_of_matmul_peak']:.0f}%", (r["context"], r["prefill_s"]),
                                   textcoords="offset points", xytext=(4, -10), fontsize=8)
             ax[0, 0].set_yscale("log")
+            log_yticks(ax[0, 0])
         ax[0, 0].set(title="Prefill, batch 1 (labels: share of the matmul peak)", ylabel="seconds")
     ax[0, 1].set(title="Target decode step vs HBM floor", ylabel="ms")
     peers = sorted((p for p in payload["peer"] if "ours_decode_step_s" in p), key=lambda p: p["context"])
     if peers:
-        x = [p["context"] / 1024 for p in peers]
+        x = [p["context"] for p in peers]
         ax[1, 0].plot(x, [p["ours_decode_step_s"] * 1e3 for p in peers], "o-", color="C0", label="diffspec_jax")
         floor = {c["context"]: c["hbm_floor_s"] for c in cases if c["batch"] == 1}
-        xf = [p["context"] / 1024 for p in peers if p["context"] in floor]
+        xf = [p["context"] for p in peers if p["context"] in floor]
         ax[1, 0].plot(xf, [floor[p["context"]] * 1e3 for p in peers if p["context"] in floor], ":", color="C0",
                       label="HBM floor")
         for kind, col in (("eager", "C3"), ("compiled", "C2")):
-            pts = [(p["context"] / 1024, p[f"{kind}_s_per_token"] * 1e3, p[f"ratio_{kind}_over_ours"])
+            pts = [(p["context"], p[f"{kind}_s_per_token"] * 1e3, p[f"ratio_{kind}_over_ours"])
                    for p in peers if f"{kind}_s_per_token" in p]
             if pts:
                 label = ("transformers eager, dynamic cache" if kind == "eager"
@@ -823,16 +823,11 @@ def plot(payload: dict, path: Path) -> str | None:
                 for px, py, r in pts:
                     ax[1, 0].annotate(f"{r:.1f}x", (px, py), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax[1, 0].set_yscale("log")
-        ax[1, 0].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax[1, 0].yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax[1, 0].set_yticks([4, 6, 10, 20, 40, 70])
+        log_yticks(ax[1, 0])
     ax[1, 0].set(title="Target-only decode, batch 1 (ratios: theirs / ours)", ylabel="ms per token")
-    ticks = sorted({c["context"] / 1024 for c in cases} | {p["context"] / 1024 for p in peers})
+    ticks = sorted({c["context"] for c in cases} | {p["context"] for p in peers})
     for a in ax.flat:
-        a.set_xscale("log", base=2)
-        a.set_xticks(ticks, [f"{t:g}K" for t in ticks])
-        a.minorticks_off()
-        a.set_xlabel("context (tokens)")
+        context_axis(a, ticks)
         a.grid(alpha=0.3)
         if a.get_legend_handles_labels()[0]:
             a.legend(fontsize=7)

@@ -17,8 +17,9 @@ Per case: time to first token, decode tokens/s (excluding prefill), end-to-end t
 (overall and per prompt, with DiffSpec's per-prompt difference from each baseline: wins / losses and a bootstrap
 interval), per-position acceptance, retrievals and their share of decode time, peak device memory; medians and
 coefficients of variation over the repeats. The JSON records the git commit, versions, device, model configs and
-weight-file hashes, how the inputs were built and their hashes, and every setting; a PNG (speedup and acceptance
-vs context) is written next to it when matplotlib is installed.
+weight-file hashes, how the inputs were built and their hashes, and every setting; a PNG (speedup against the
+1.0x line, acceptance with seeded 95% bootstrap intervals over prompts, vs context) is written next to it when
+matplotlib is installed.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, write_json  # noqa: E402
+from benchmarks.common import context_axis, environment, reference_line, repo_relative, write_json  # noqa: E402
 from checkpoints_tools.inspect import file_hashes  # noqa: E402
 from diffspec_jax.corpus import WORKLOADS  # noqa: E402
 
@@ -125,15 +126,21 @@ def summarise(rows: list[dict]) -> dict:
     return out
 
 
+def bootstrap_ci(values, seed: int = 0, resamples: int = 10000) -> list[float]:
+    """The 95% bootstrap interval of the mean of ``values`` (per-prompt samples resampled with replacement,
+    seeded)."""
+    v = np.asarray(values, np.float64)
+    boot = v[np.random.default_rng(seed).integers(0, len(v), (resamples, len(v)))].mean(axis=1)
+    return [float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))]
+
+
 def paired_difference(a: list[float], b: list[float], seed: int = 0, resamples: int = 10000) -> dict:
     """Per-prompt acceptance of method A against method B on the same prompts: wins / ties / losses of A, the mean
     difference A - B and its 95% bootstrap interval (prompts resampled with replacement, seeded). Greedy acceptance
     is deterministic, so the spread is over prompts, not repeats."""
     d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
-    boot = d[np.random.default_rng(seed).integers(0, len(d), (resamples, len(d)))].mean(axis=1)
     return {"prompts": len(d), "wins": int((d > 0).sum()), "ties": int((d == 0).sum()), "losses": int((d < 0).sum()),
-            "mean_difference": float(d.mean()), "ci95": [float(np.quantile(boot, 0.025)),
-                                                         float(np.quantile(boot, 0.975))]}
+            "mean_difference": float(d.mean()), "ci95": bootstrap_ci(d, seed, resamples)}
 
 
 def comparisons(case: dict, methods: list[str], seed: int) -> dict:
@@ -143,7 +150,10 @@ def comparisons(case: dict, methods: list[str], seed: int) -> dict:
             for b in per if b != a and None not in per[a] + per[b]}
 
 
-def plot(payload: dict, path: Path) -> str | None:
+def plot(payload: dict, path: Path, seed: int = 0) -> str | None:
+    """Decode speedup over target-only (left, with the 1.0x line) and acceptance length (right: the mean over
+    prompts of each prompt's tokens per verification, with a seeded 95% bootstrap interval over prompts where the
+    JSON has per-prompt values) against context. Returns the file name, or None without matplotlib."""
     try:
         import matplotlib
 
@@ -152,24 +162,45 @@ def plot(payload: dict, path: Path) -> str | None:
     except ImportError:
         return None
     ctxs = sorted({c["context"] for c in payload["cases"]})
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for m in payload["settings"]["methods"][1:]:
-        sp = [next(c for c in payload["cases"] if c["context"] == x)["methods"][m].get("speedup_vs_target")
-              for x in ctxs]
-        al = [next(c for c in payload["cases"] if c["context"] == x)["methods"][m]["mean_acceptance_length"]["median"]
-              for x in ctxs]
-        ax1.plot(ctxs, sp, marker="o", label=m)
-        ax2.plot(ctxs, al, marker="o", label=m)
-    for ax, title in ((ax1, "decode speedup vs target-only"), (ax2, "mean acceptance length")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_title(title)
+    case = {c["context"]: c for c in payload["cases"]}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    prompts = set()
+    methods = payload["settings"]["methods"][1:]
+    for i, m in enumerate(methods):
+        rows = [case[x]["methods"][m] for x in ctxs]
+        ax1.plot(ctxs, [r.get("speedup_vs_target") or np.nan for r in rows], marker="o", color=f"C{i}", label=m)
+        mean, lo, hi = [], [], []
+        for r in rows:
+            per = r.get("acceptance_length_per_prompt") or []
+            if per and None not in per:
+                prompts.add(len(per))
+                a, b = bootstrap_ci(per, seed)
+                mean.append(float(np.mean(per)))
+                lo.append(mean[-1] - a)
+                hi.append(b - mean[-1])
+            else:  # an older JSON without per-prompt values: the median, no interval
+                mean.append(r["mean_acceptance_length"]["median"])
+                lo.append(0.0)
+                hi.append(0.0)
+        dodge = 2 ** (0.05 * (i - (len(methods) - 1) / 2))  # side by side, so the intervals do not hide each other
+        ax2.errorbar([x * dodge for x in ctxs], mean, yerr=[lo, hi], marker="o", capsize=3, color=f"C{i}", label=m)
+    reference_line(ax1, "1.0x (target-only)")
+    ax1.set(title="Decode speedup over target-only", ylabel="speedup (x)")
+    if prompts:
+        ax2.set(title=f"Acceptance (95% bootstrap interval over {'/'.join(map(str, sorted(prompts)))} prompts)",
+                ylabel="tokens per verification (mean over prompts)")
+    else:
+        ax2.set(title="Acceptance (median over repeats)", ylabel="tokens per verification")
+    for ax in (ax1, ax2):
+        context_axis(ax, ctxs)
         ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{payload['environment']['device']} - {payload['models']['target']['path']}")
+        ax.legend(fontsize=8)
+    where = repo_relative(payload["models"]["target"].get("path"))
+    fig.suptitle(f"{payload['environment']['device']}" + (f", target {where}" if where else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    return str(path)
+    plt.close(fig)
+    return Path(path).name
 
 
 def main(argv=None) -> int:

@@ -8,9 +8,13 @@ Examples::
 
 The tokenizer (and, with ``--chat``, its chat template) comes from the target directory through
 ``transformers.AutoTokenizer`` when the directory has one; otherwise prompts are given as ids
-(``--prompt-ids``) and output is printed as ids. Text streams to stdout, a progress bar and the statistics go
-to stderr; ``--json`` prints one JSON object instead. ``--compare`` also runs target-only decoding on the same
-prompt and reports the speedup (and, when greedy, checks that the outputs are identical).
+(``--prompt-ids``) and output is printed as ids. Text streams to stdout (decoded incrementally, special tokens
+left out unless ``--keep-special-tokens``, cut before the first ``--stop`` string); progress and the statistics go
+to stderr: a progress bar, or, when stdout and stderr are the same terminal, one status line before the text and
+the statistics after it. ``--json`` prints one JSON object instead. Sampling settings not given default to the
+target's ``generation_config.json`` (greedy without one), and its EOS ids end generation. ``--compare`` also runs
+target-only decoding on the same prompt and reports the speedup (and, when greedy, checks that the outputs are
+identical).
 
 This module is also callable: ``diffspec_jax.generate(target, draft, prompts, ...)`` is
 :func:`diffspec_jax.engine.generate` whether ``diffspec_jax.generate`` names the function or this module.
@@ -20,16 +24,19 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import sys
+import time
 import types
 from pathlib import Path
 
 import numpy as np
 
-from diffspec_jax import engine
+from diffspec_jax import engine, stopping
 from diffspec_jax.config import SamplingConfig, SpecConfig
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
-from diffspec_jax.validation import ArgumentParser, check_generate_args, check_int, read_text, report_error
+from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_int, check_stop_strings, read_text,
+                                     report_error)
 
 
 def default_pair() -> tuple[Path, Path]:
@@ -71,7 +78,10 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
         if not any(parts):
             raise InputError("--prompt-ids is empty: give comma-separated token ids, e.g. --prompt-ids 1,2,3")
         ids = []
-        for x in filter(None, parts):
+        for i, x in enumerate(parts):
+            if not x:
+                raise InputError(f"--prompt-ids has an empty entry (item {i + 1} of {args.prompt_ids!r}); give "
+                                 f"comma-separated token ids, e.g. --prompt-ids 1,2,3")
             try:
                 ids.append(int(x))
             except ValueError:
@@ -114,12 +124,20 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-speculative-tokens", "-k", type=int, default=SpecConfig.num_speculative_tokens)
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="0 = greedy (default: the target's generation_config.json; greedy without one)")
+    ap.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json)")
+    ap.add_argument("--top-p", type=float, default=None, help="1 = off (default: generation_config.json)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policy", default=None, help="full | recent | diffspec (default: full; diffspec for the "
-                                                   "embedded default)")
+    ap.add_argument("--stop", action="append", default=None, metavar="STR",
+                    help="stop at this text (repeatable; needs a tokenizer): the output ends before it")
+    ap.add_argument("--keep-special-tokens", action="store_true",
+                    help="print special tokens (EOS, chat markers) in the text (default: left out)")
+    ap.add_argument("--policy", default=None,
+                    help="full | recent | diffspec. Default diffspec: it equals full while the context fits "
+                         "--token-budget, and beyond it keeps a draft trained on short windows accepting where full "
+                         "collapses (0.80-0.89x at 16K on the demo pair, whose target reads no far context, so "
+                         "recent was faster there; docs/benchmarks.md)")
     ap.add_argument("--chunk-size", type=int, default=SpecConfig.diffspec_chunk_size)
     ap.add_argument("--token-budget", type=int, default=SpecConfig.diffspec_token_budget)
     ap.add_argument("--retrieval-interval", type=int, default=SpecConfig.diffspec_retrieval_interval)
@@ -143,9 +161,19 @@ def build_parser() -> ArgumentParser:
                          "which made bfloat16 decoding of the demo pair 3x slower than float32 on a 2-core CPU)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ap.add_argument("--compare", action="store_true", help="also run target-only decoding and report the speedup")
-    ap.add_argument("--json", action="store_true", help="print one JSON object (ids, text, stats)")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--json", action="store_true",
+                    help="print one JSON object (ids, text, finish_reason: stop | length, stats)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar or status line")
     return ap
+
+
+def _sampling(args, target_dir: Path) -> tuple[SamplingConfig, dict]:
+    """--temperature / --top-k / --top-p, each defaulting to the target's generation_config.json (then to
+    :class:`SamplingConfig`'s greedy defaults); returns the config and the defaults that were read."""
+    defaults = stopping.generation_defaults(target_dir)
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    return SamplingConfig(**{k: v if v is not None else defaults.get(k, getattr(SamplingConfig, k))
+                             for k, v in given.items()}), defaults
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             target_dir, draft_dir = Path(args.target), Path(args.draft) if args.draft else None
         if args.no_draft:
             draft_dir = None
-        policy = args.policy or ("diffspec" if embedded else SpecConfig.draft_context_policy)
+        policy = args.policy or "diffspec"
         spec = SpecConfig(num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=policy,
                           diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
                           diffspec_retrieval_interval=args.retrieval_interval,
@@ -177,38 +205,54 @@ def main(argv: list[str] | None = None) -> int:
                           diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,
                           diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
                           diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=args.draft_tp)
-        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype))
+        sampling, gen_defaults = _sampling(args, target_dir)
         draft = load_draft(draft_dir, target) if draft_dir is not None else None
         random_pair = (target_dir / "RANDOM_WEIGHTS.json").exists()
         tok = _tokenizer(target_dir)
+        if args.stop and tok is None:
+            raise InputError("--stop matches text, but the target directory has no tokenizer (stop at token ids "
+                             "with the EOS ids of its generation_config.json instead)")
         prompt = _prompt_ids(args, tok, target.config.vocab_size)
         # the CLI's own checks, before anything is printed (whatever generate() checks itself)
         check_token_ids(prompt, target.config.vocab_size, "the prompt")
         check_int(args.max_new_tokens, "--max-new-tokens", min=1, error=InputError)
         check_generate_args(target.config.vocab_size, seed=args.seed)
-        stream = _Streamer(tok, enabled=not args.json)
+        stops = check_stop_strings(args.stop, "--stop")
+        console = _Console(stream=not args.json, progress=not (args.json or args.no_progress))
         if random_pair and not args.json:
             print(f"[RANDOM weights in {target_dir}: the tokens are meaningless]", file=sys.stderr)
         if embedded and not args.json:
             print(f"[embedded demo pair: {target_dir.parent} (a small Llama and EAGLE-3 draft trained on the Python "
                   f"standard library; see MODEL_CARD.md there); prompt: {len(prompt)} tokens, policy {policy}]",
                   file=sys.stderr)
+        if gen_defaults and not args.json and not sampling.greedy:
+            print(f"[sampling as {target_dir / stopping.GENERATION_CONFIG} says: temperature {sampling.temperature:g}"
+                  f", top_k {sampling.top_k}, top_p {sampling.top_p:g} (--temperature 0 for greedy)]",
+                  file=sys.stderr)
         from diffspec_jax.sharding import make_mesh
 
         mesh = make_mesh(args.tp) if args.tp > 1 else None
         kwargs = dict(max_new_tokens=args.max_new_tokens, spec=spec, sampling=sampling, seed=args.seed,
-                      stop_token_ids=() if args.ignore_eos else None, mesh=mesh)
+                      stop_token_ids=() if args.ignore_eos else None, mesh=mesh, stop=stops or None, tokenizer=tok,
+                      skip_special_tokens=not args.keep_special_tokens)
         warmup = []
+        console.status(f"prefill of {len(prompt)} prompt tokens" + (
+            ", compiling and warming up both paths (--compare)" if args.compare else
+            " (the first run in a process compiles first)"))
         if args.compare:  # compile both paths first, so the timed runs below measure decoding only
             warmup = [engine.generate(target, draft, [prompt], **kwargs),
                       engine.generate(target, None, [prompt], **kwargs)]
-        result = engine.generate(target, draft, [prompt], on_tokens=stream,
-                                 progress=not (args.json or args.no_progress), **kwargs)
-        stream.close()
+        console.start()
+        result = engine.generate(target, draft, [prompt], on_tokens=console.ids if tok is None else None,
+                                 on_text=console.text if tok is not None else None, progress=console.bar, **kwargs)
+        console.close()
         report: dict = {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
                         "random_weights": random_pair, "prompt_ids": prompt, "ids": result.tokens[0],
-                        "text": tok.decode(result.tokens[0]) if tok is not None else None,
+                        "text": result.texts[0] if result.texts is not None else None,
+                        "finish_reason": result.finish_reasons[0], "stop": list(stops),
+                        "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                                     "top_p": sampling.top_p},
                         "stats": result.stats.to_dict()}
         if args.compare:
             base = engine.generate(target, None, [prompt], **kwargs)
@@ -266,35 +310,72 @@ def resolve_dtype_arg(dtype: str) -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-class _Streamer:
-    """Print text (or ids) as tokens arrive."""
+def same_terminal(out=None, err=None) -> bool:
+    """Whether ``out`` and ``err`` (default: stdout and stderr) are one terminal, where a progress bar on stderr
+    would interleave with text streamed to stdout."""
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        a, b = out.fileno(), err.fileno()
+        return os.isatty(a) and os.isatty(b) and os.path.samestat(os.fstat(a), os.fstat(b))
+    except (AttributeError, OSError, ValueError):  # replaced streams (captured output, notebooks)
+        return False
 
-    def __init__(self, tok, enabled: bool):
-        self.tok, self.enabled, self.ids, self.printed = tok, enabled, [], ""
 
-    def __call__(self, seq: int, new: list[int]) -> None:
-        if not self.enabled:
-            return
-        self.ids.extend(new)
-        if self.tok is None:
-            sys.stdout.write(" ".join(map(str, new)) + " ")
-        else:
-            text = self.tok.decode(self.ids)
-            sys.stdout.write(text[len(self.printed):])
-            self.printed = text
+class _Console:
+    """What the CLI prints while generating: streamed text (or ids) on stdout, progress on stderr.
+
+    Progress is a progress bar on stderr, except when stdout and stderr are the same terminal and text streams:
+    then one status line on stderr before the text (``status``), finished when the first text arrives (time to
+    first token, compilation included), and the statistics after it (:func:`_print_summary`).
+    """
+
+    def __init__(self, *, stream: bool, progress: bool):
+        self.stream = stream
+        self.line = stream and progress and same_terminal()
+        self.bar = progress and not self.line
+        self.t0, self.open = time.perf_counter(), False
+
+    def status(self, text: str) -> None:
+        if self.line:
+            sys.stderr.write(f"[{text} ...]")
+            sys.stderr.flush()
+            self.open = True
+
+    def start(self) -> None:
+        """The timed run starts (the status line's time to first token counts from here)."""
+        self.t0 = time.perf_counter()
+
+    def _write(self, text: str) -> None:
+        if self.open:  # finish the status line before the first text
+            sys.stderr.write(f"\r\x1b[K[first token after {time.perf_counter() - self.t0:.2f} s]\n")
+            sys.stderr.flush()
+            self.open = False
+        sys.stdout.write(text)
         sys.stdout.flush()
 
+    def text(self, seq: int, piece: str) -> None:
+        if self.stream:
+            self._write(piece)
+
+    def ids(self, seq: int, new: list[int]) -> None:
+        if self.stream:
+            self._write(" ".join(map(str, new)) + " ")
+
     def close(self) -> None:
-        if self.enabled:
+        if self.open:
+            sys.stderr.write("\n")
+            self.open = False
+        if self.stream:
             sys.stdout.write("\n")
+            sys.stdout.flush()
 
 
 def _print_summary(report: dict) -> None:
     s = report["stats"]
     rate = f" ({s['decode_tokens_per_s']:.1f} tok/s)" if s["decode_tokens_per_s"] else ""
-    lines = [f"new tokens {s['new_tokens']}, time to first token {s['ttft_s']:.3f}s, prefill {s['prefill_s']:.3f}s, "
-             f"decode {s['decode_s']:.3f}s{rate}; compilation {report.get('compile_s', s['compile_s']):.2f}s (not in "
-             f"those times)"]
+    lines = [f"new tokens {s['new_tokens']} (finish reason {report['finish_reason']}), time to first token "
+             f"{s['ttft_s']:.3f}s, prefill {s['prefill_s']:.3f}s, decode {s['decode_s']:.3f}s{rate}; compilation "
+             f"{report.get('compile_s', s['compile_s']):.2f}s (not in those times)"]
     if s["num_speculative_tokens"]:
         lines.append(f"policy {s['draft_context_policy']}, K={s['num_speculative_tokens']}, cycles "
                      f"{s['sequence_cycles']}, mean acceptance length {s['mean_acceptance_length']:.2f}, "

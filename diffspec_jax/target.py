@@ -11,6 +11,7 @@ prefill of ragged prompts) and :func:`plan_prefill`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffspec_jax import stopping
 from diffspec_jax.cache import HybridCache, KVCache
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.errors import ConfigError, InputError
@@ -78,6 +80,9 @@ def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: 
                 verify: bool = True) -> TargetModel:
     """Load a target from a Hugging Face directory or an Orbax checkpoint written by ``checkpoints_tools``.
 
+    ``config.eos_token_ids`` holds ``config.json``'s EOS ids and those ``generation_config.json`` adds
+    (:func:`diffspec_jax.stopping.eos_token_ids`).
+
     Supported: ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` and the Qwen3.5 hybrid MoE family
     (``Qwen3_5MoeForCausalLM`` keys ``model.*``; ``Qwen3_5MoeForConditionalGeneration`` keys
     ``model.language_model.*``, its vision tower and MTP head ignored; fused or per-expert expert tensors).
@@ -110,6 +115,9 @@ def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: 
     if verify:  # the digests of every file but config.json first: damage is reported as such, not as what it breaks
         verify_manifest(path, skip=("config.json",))
     config = ModelConfig.from_pretrained(path)
+    # every EOS id: generation_config.json names more than config.json for instruct checkpoints (end of turn)
+    config = dataclasses.replace(config, eos_token_ids=stopping.merge_eos_ids(config.eos_token_ids,
+                                                                             stopping.generation_eos_ids(path)))
     # config.json's digest once the files are known to fit it (so an edited config is reported as a mismatch),
     # before Orbax restores any data
     check = (lambda: verify_manifest(path, only=("config.json",))) if verify else None

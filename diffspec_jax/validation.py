@@ -203,6 +203,49 @@ def check_generate_args(vocab_size: int, *, seed: Any = 0, stop_token_ids: Any =
                         prefill_chunk=prefill_chunk)
 
 
+def check_stop_strings(stop: Any, name: str = "stop") -> tuple[str, ...]:
+    """Stop strings as a tuple of non-empty ``str`` (``None`` -> ``()``; one string -> a 1-tuple)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = (stop,)
+    if isinstance(stop, (bytes, dict, set, frozenset)) or not hasattr(stop, "__iter__"):
+        raise InputError(f"{name} must be a string or a list of strings (text that ends generation), got "
+                         f"{_show(stop)}")
+    out = tuple(stop)
+    for i, s in enumerate(out):
+        if not isinstance(s, str):
+            raise InputError(f"{name}[{i}] must be a string, got {_show(s)}")
+        if not s:
+            raise InputError(f"{name}[{i}] is an empty string; an empty stop string would match before any text "
+                             f"(leave it out)")
+    return out
+
+
+def check_text_args(stop: Any, tokenizer: Any, on_text: Any, skip_special_tokens: Any) -> tuple[str, ...]:
+    """Check :func:`diffspec_jax.generate`'s text arguments; returns the stop strings (:func:`check_stop_strings`).
+
+    Raises:
+        InputError: stop strings or ``on_text`` without a ``tokenizer``, a tokenizer without ``decode``, an
+            ``on_text`` that is not callable, a non-bool ``skip_special_tokens``.
+    """
+    stops = check_stop_strings(stop)
+    check_bool(skip_special_tokens, "skip_special_tokens", error=InputError)
+    if tokenizer is None:
+        if stops:
+            raise InputError("stop strings are matched on the decoded text: pass the target's tokenizer too "
+                             "(generate(..., stop=[...], tokenizer=AutoTokenizer.from_pretrained(TARGET_DIR)))")
+        if on_text is not None:
+            raise InputError("on_text streams decoded text: pass the target's tokenizer too (tokenizer=...)")
+    elif not callable(getattr(tokenizer, "decode", None)):
+        raise InputError(f"tokenizer must have a decode(ids, skip_special_tokens=...) method (a transformers "
+                         f"tokenizer), got {_show(tokenizer)}")
+    if on_text is not None and not callable(on_text):
+        raise InputError(f"on_text must be a function on_text(sequence_index, new_text) or None, got "
+                         f"{_show(on_text)}")
+    return stops
+
+
 # ------------------------------------------------------------------------------------------------------- CLIs
 def one_line(text: str) -> str:
     """``text`` with its lines joined (an error message printed by a CLI is one line)."""

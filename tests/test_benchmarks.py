@@ -267,3 +267,65 @@ def test_e2e_benchmark_quick(tmp_path):
     assert rows["target"]["over_device_step"] == pytest.approx(
         rows["target"]["decode_s_per_token"] / case["device"]["target_decode_step_s"])
     assert "projected" in rows["diffspec"] and "target_only_128x1_within_1.05x_device_step" in data["targets"]
+
+
+def captured_figure(monkeypatch, plot, payload, path):
+    """Run a benchmark's ``plot`` and return the figure it drew (kept open)."""
+    import matplotlib.pyplot as plt
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    assert plot(payload, path) == path.name and path.stat().st_size > 0
+    return figs[0]
+
+
+def check_axes(fig):
+    """Every panel has both axis labels; no title names an absolute path."""
+    texts = [fig._suptitle.get_text() if fig._suptitle else ""] + [a.get_title() for a in fig.axes]
+    assert not any("/tmp" in t or "/root" in t or "/work" in t for t in texts), texts
+    for a in fig.axes:
+        assert a.get_xlabel() and a.get_ylabel(), a.get_title()
+
+
+def test_paired_plot_intervals_reference_line_and_titles(tmp_path, monkeypatch):
+    from benchmarks import paired
+
+    rng = np.random.default_rng(0)
+    per = {c: {m: list(1 + rng.random(6) * (2 if m == "diffspec" else 1)) for m in ("eagle3-full", "diffspec")}
+           for c in (2048, 8192)}
+    payload = {"settings": {"methods": ["target", "eagle3-full", "diffspec"]},
+               "environment": {"device": "cpu"}, "models": {"target": {"path": str(tmp_path / "my_model")}},
+               "cases": [{"context": c, "methods": {m: {"speedup_vs_target": 1.2,
+                                                        "mean_acceptance_length": {"median": float(np.mean(v))},
+                                                        "acceptance_length_per_prompt": v}
+                                                    for m, v in per[c].items()}} for c in per]}
+    fig = captured_figure(monkeypatch, paired.plot, payload, tmp_path / "p.png")
+    check_axes(fig)
+    assert fig._suptitle.get_text() == "cpu"  # a model outside the repository: no path in the title
+    speed, acc = fig.axes
+    assert any(list(line.get_ydata()) == [1.0, 1.0] for line in speed.get_lines())  # the 1.0x line
+    assert [t.get_text() for t in speed.get_xticklabels()] == ["2K", "8K"]
+    # the error bars are the seeded bootstrap interval of the mean over prompts
+    bars = acc.containers[1]  # diffspec
+    segs = bars.lines[2][0].get_segments()
+    for seg, c in zip(segs, (2048, 8192)):
+        lo, hi = paired.bootstrap_ci(per[c]["diffspec"], 0)
+        assert seg[0][1] == pytest.approx(lo) and seg[1][1] == pytest.approx(hi)
+    assert "6 prompts" in acc.get_title()
+    payload["models"]["target"]["path"] = "/somewhere/else/diffspec_jax/demo/pair/target"
+    fig = captured_figure(monkeypatch, paired.plot, payload, tmp_path / "p.png")
+    assert fig._suptitle.get_text() == "cpu, target diffspec_jax/demo/pair/target"  # repository-relative
+
+
+def test_long_context_plot_of_a_committed_result(tmp_path, monkeypatch):
+    from benchmarks import long_context
+
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+    payload = json.loads((root / "attention_h200" / "run2_b1_b8.json").read_text())  # --steps-only: a ratio panel
+    fig = captured_figure(monkeypatch, long_context.plot, payload, tmp_path / "l.png")
+    check_axes(fig)
+    ratio = fig.axes[3]
+    assert ratio.get_ylabel() == "ratio" and any(list(line.get_ydata()) == [1.0, 1.0] for line in ratio.get_lines())
+    assert [t.get_text() for t in ratio.get_xticklabels()] == ["8K", "32K", "64K"]
+    prefill = fig.axes[0]  # log scale with plain-number ticks
+    assert prefill.get_yscale() == "log" and len(prefill.get_yticks()) >= 3

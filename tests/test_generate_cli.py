@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from diffspec_jax import forward, load_target
+from diffspec_jax.errors import InputError
 
 
 def run_cli(args, capsys):
@@ -199,3 +200,192 @@ def test_prompt_from_standard_input_and_draft_without_target(monkeypatch, capsys
     assert code == 2 and "empty prompt from standard input" in out.err and "Traceback" not in out.err
     code, out = run_cli(["--draft", str(tmp_path), "--prompt", "x"], capsys)
     assert code == 2 and "--draft needs --target" in out.err
+
+
+# ------------------------------------------------------------------ EOS from generation_config.json, stop strings
+NEW = 24
+
+
+def train_byte_bpe(vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained offline (256 byte tokens, merges, <|endoftext|> = 0)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = ["def main(argv):\n    return 0\n", "print('世界 🎉 ça va')\n", "x = [1, 2, 3]  # 日本語\n"] * 20
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def bpe_pair(tmp_path_factory):
+    """A tiny Llama built by transformers with a byte-level BPE tokenizer of its vocabulary, a random draft, a
+    prompt and the target-only greedy continuation (NEW tokens, no stop id) as the reference."""
+    from types import SimpleNamespace
+
+    from checkpoints_tools.make_tiny import make_tiny, make_tiny_draft
+    from diffspec_jax import engine
+
+    root = tmp_path_factory.mktemp("bpe")
+    tok = train_byte_bpe()
+    # scale 0.3: a random model whose greedy text varies (multi-byte characters, merges, control bytes)
+    target_dir = make_tiny(root / "t", "llama", backend="transformers", seed=2, scale=0.3, vocab_size=len(tok),
+                           bos_token_id=0, eos_token_ids=(0,))
+    tok.save_pretrained(target_dir)
+    model = load_target(target_dir, dtype="float32")
+    draft_dir = make_tiny_draft(root / "d", model.config, seed=3)
+    prompt = tok("def main(argv):\n")["input_ids"]
+    greedy = engine.generate(model, None, [prompt], max_new_tokens=NEW, stop_token_ids=()).tokens[0]
+    assert len(set(greedy)) > NEW // 2  # a varied reference
+    return SimpleNamespace(tok=tok, target=target_dir, draft=draft_dir, model=model, prompt=prompt, greedy=greedy,
+                           args=["--draft", str(draft_dir), "--prompt", "def main(argv):\n", "--max-new-tokens",
+                                 str(NEW), "--dtype", "float32"])
+
+
+def fewest_tokens(tok, ids, text):
+    """The fewest leading ids whose decoding begins with ``text`` (the rule for tokens cut at a stop string)."""
+    return next(n for n in range(len(ids) + 1) if tok.decode(ids[:n], skip_special_tokens=True).startswith(text))
+
+
+def test_generation_config_eos_stops_with_finish_reason_stop(bpe_pair, tmp_path, capsys):
+    import shutil
+
+    g = bpe_pair.greedy
+    j = next(i for i in range(2, NEW - 2) if g[i] not in g[:i])  # a token the model emits, first at position j
+    assert 0 not in g[:j + 1]  # config.json's own EOS (0) comes no earlier
+    target = shutil.copytree(bpe_pair.target, tmp_path / "t")
+    (target / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [g[j], 0]}))
+    code, out = run_cli(["--target", str(target), *bpe_pair.args, "--json"], capsys)
+    assert code == 0, out.err
+    rep = json.loads(out.out)
+    assert rep["ids"] == g[:j + 1] and rep["finish_reason"] == "stop"
+    assert rep["text"] == bpe_pair.tok.decode(g[:j + 1], skip_special_tokens=True)
+    code, out = run_cli(["--target", str(target), *bpe_pair.args, "--json", "--ignore-eos"], capsys)
+    assert code == 0, out.err
+    rep = json.loads(out.out)
+    assert rep["ids"] == g and rep["finish_reason"] == "length"
+
+
+def pick_stop(text: str) -> str:
+    """A two-character stop string from the middle of ``text`` with no U+FFFD."""
+    for p in range(len(text) // 3, len(text) - 2):
+        s = text[p:p + 2]
+        if "\ufffd" not in s and text.find(s) >= 2:
+            return s
+    raise AssertionError(f"no stop string candidate in {text!r}")
+
+
+def test_stop_strings_cut_the_output_exactly_and_stream_it(bpe_pair, capsys):
+    tok, g = bpe_pair.tok, bpe_pair.greedy
+    full = tok.decode(g, skip_special_tokens=True)
+    stop = pick_stop(full)
+    want = full[:full.find(stop)]  # cut by hand
+    args = ["--target", str(bpe_pair.target), *bpe_pair.args, "--ignore-eos", "--stop", stop, "--stop", "\ue000!"]
+    code, out = run_cli(args + ["--json"], capsys)
+    assert code == 0, out.err
+    rep = json.loads(out.out)
+    assert rep["text"] == want and rep["finish_reason"] == "stop" and rep["stop"] == [stop, "\ue000!"]
+    assert rep["ids"] == g[:fewest_tokens(tok, g, want)]
+    # streamed: stdout is the text byte for byte (then a newline); progress and statistics on stderr
+    code, out = run_cli(args, capsys)
+    assert code == 0, out.err
+    assert out.out.encode() == (want + "\n").encode()
+    assert "finish reason stop" in out.err and "time to first token" in out.err and "compilation" in out.err
+
+
+def test_library_stop_strings_texts_and_streams(bpe_pair):
+    """generate(stop=, tokenizer=): per prompt, texts cut exactly, tokens cut by the rule, finish reasons, and the
+    on_tokens / on_text pieces adding up to them; sequences a stop string ends stop costing device cycles."""
+    from diffspec_jax import engine
+
+    tok, model = bpe_pair.tok, bpe_pair.model
+    prompts = [bpe_pair.prompt, tok("x = [1, 2")["input_ids"], tok("print('")["input_ids"]]
+    ref = engine.generate(model, None, prompts, max_new_tokens=NEW, stop_token_ids=()).tokens
+    texts = [tok.decode(r, skip_special_tokens=True) for r in ref]
+    # a stop string that occurs early in the first text only: the others run to the length
+    stop = next(texts[0][p:p + 3] for p in range(1, len(texts[0]) // 3) if "\ufffd" not in texts[0][p:p + 3]
+                and texts[0][p:p + 3] not in texts[1] + texts[2])
+    ids_seen, text_seen = [[], [], []], ["", "", ""]
+    res = engine.generate(model, None, prompts, max_new_tokens=NEW, stop_token_ids=(), stop=stop, tokenizer=tok,
+                          block_cycles=4,
+                          on_tokens=lambda i, t: ids_seen[i].extend(t),
+                          on_text=lambda i, t: text_seen.__setitem__(i, text_seen[i] + t))
+    want = texts[0][:texts[0].find(stop)]
+    assert res.texts == [want, texts[1], texts[2]] == text_seen
+    assert res.tokens == [ref[0][:fewest_tokens(tok, ref[0], want)], ref[1], ref[2]] == ids_seen
+    assert res.finish_reasons == ["stop", "length", "length"]
+    # sequence 0 ends in an early block of 4 cycles: after the block in flight, the device no longer runs it (3
+    # rows, 2 live: too many to compact)
+    assert res.stats.sequence_cycles < 3 * (NEW - 1)
+    with pytest.raises(InputError, match="pass the target's tokenizer"):
+        engine.generate(model, None, prompts[:1], max_new_tokens=2, stop=["x"])
+    with pytest.raises(InputError, match="empty string"):
+        engine.generate(model, None, prompts[:1], max_new_tokens=2, stop=[""], tokenizer=tok)
+
+
+def test_status_line_instead_of_a_bar_on_one_terminal(bpe_pair, capsys, monkeypatch):
+    import importlib
+
+    cli = importlib.import_module("diffspec_jax.generate")
+    monkeypatch.setattr(cli, "same_terminal", lambda *a: True)
+    code, out = run_cli(["--target", str(bpe_pair.target), *bpe_pair.args, "--ignore-eos"], capsys)
+    assert code == 0, out.err
+    assert out.out == bpe_pair.tok.decode(bpe_pair.greedy, skip_special_tokens=True) + "\n"  # nothing else
+    status = out.err.index("[prefill of")
+    assert status < out.err.index("first token after") < out.err.index("new tokens")
+    assert "tok/s]" not in out.err  # no tqdm bar
+
+
+def test_same_terminal_detection(tmp_path):
+    import os
+    import pty
+
+    from diffspec_jax.generate import same_terminal
+
+    master, slave = pty.openpty()
+    try:
+        with open(slave, "w", closefd=False) as a, open(slave, "w", closefd=False) as b, \
+                open(tmp_path / "f", "w") as f:
+            assert same_terminal(a, b) and not same_terminal(f, b) and not same_terminal(object(), b)
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_sampling_defaults_from_generation_config(bpe_pair, tmp_path):
+    import importlib
+    import shutil
+
+    cli = importlib.import_module("diffspec_jax.generate")
+    target = shutil.copytree(bpe_pair.target, tmp_path / "t")
+    (target / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.7,
+                                                               "top_k": 20}))
+    parse = cli.build_parser().parse_args
+    got, _ = cli._sampling(parse(["--target", str(target)]), target)
+    assert (got.temperature, got.top_k, got.top_p) == (0.7, 20, 1.0)
+    got, _ = cli._sampling(parse(["--target", str(target), "--top-k", "0", "--top-p", "0.5"]), target)
+    assert (got.temperature, got.top_k, got.top_p) == (0.7, 0, 0.5)
+    assert cli._sampling(parse(["--temperature", "0"]), target)[0].greedy
+    assert cli._sampling(parse([]), bpe_pair.draft)[0] == cli.SamplingConfig()  # no generation_config.json
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--prompt-ids", ""], "--prompt-ids is empty"),
+    (["--prompt-ids", " , "], "--prompt-ids is empty"),
+    (["--prompt-ids", "1,,2"], "empty entry"),
+    (["--prompt-ids", "1,a"], "comma-separated integers, got 'a'"),
+    (["--prompt-ids", "1,2", "--stop", "x"], "no tokenizer"),
+])
+def test_usage_errors_exit_2_without_a_traceback(random_pair, capsys, args, needle):
+    code, out = run_cli(["--target", str(random_pair[0]), *args], capsys)
+    assert code == 2 and needle in out.err and "Traceback" not in out.err
+    assert len(out.err.strip().splitlines()) == 1
+
+
+def test_empty_stop_string_is_a_usage_error(bpe_pair, capsys):
+    code, out = run_cli(["--target", str(bpe_pair.target), "--prompt", "x", "--stop", ""], capsys)
+    assert code == 2 and "--stop[0] is an empty string" in out.err and "Traceback" not in out.err

@@ -2,9 +2,10 @@
 
 It validates the request, sizes the cache (:func:`~diffspec_jax.engine.compile.capacity_bucket`), runs the prefill,
 reads the first token, then keeps one device-loop block in flight ahead of the one it reads
-(:func:`~diffspec_jax.engine.loop._block`): per block read it streams the new tokens, replays the per-cycle record
-into the host controllers (:mod:`diffspec_jax.engine.controllers`) and, between blocks, drops finished sequences
-from the batch (compaction).
+(:func:`~diffspec_jax.engine.loop._block`): per block read it streams the new tokens (and, given a tokenizer, their
+text, matching stop strings: :class:`diffspec_jax.stopping.SequenceText`), replays the per-cycle record into the
+host controllers (:mod:`diffspec_jax.engine.controllers`) and, between blocks, drops finished sequences from the
+batch (compaction).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopSta
 from diffspec_jax.engine.prefill import _PrefillAcc
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, InputError
-from diffspec_jax.validation import check_generate_args
+from diffspec_jax.stopping import FINISH_LENGTH, FINISH_STOP, SequenceText
+from diffspec_jax.validation import check_generate_args, check_text_args
 from diffspec_jax.models import ensure_tree_supported
 from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
 from pallas_kernels import dispatch
@@ -108,10 +110,24 @@ class GenerateStats:
 
 @dataclass
 class GenerateResult:
-    """``tokens``: the generated ids per prompt (prompt excluded); ``stats``: :class:`GenerateStats`."""
+    """What :func:`generate` returns, per prompt (prompt excluded).
+
+    Attributes:
+        tokens: the generated ids. They end with the stop id that ended the sequence, if one did; a stop string
+            drops every token after the fewest that hold the text before it (a token straddling the match, part
+            text before it and part stop string, is kept, so ``decode(tokens)`` then runs a few characters past
+            ``texts[i]``).
+        stats: :class:`GenerateStats`.
+        finish_reasons: ``"stop"`` when a stop id (EOS) or a stop string ended the sequence, ``"length"`` when it
+            reached ``max_new_tokens``.
+        texts: with a ``tokenizer``: the decoded text, cut exactly before the first stop string
+            (``tokenizer.decode(tokens, skip_special_tokens=...)`` when none matched); ``None`` without one.
+    """
 
     tokens: list[list[int]]
     stats: GenerateStats
+    finish_reasons: list[str] = field(default_factory=list)
+    texts: list[str] | None = None
 
 
 def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: SpecConfig,
@@ -161,26 +177,79 @@ def _stop_ids(stops: set[int]) -> np.ndarray:
 
 
 class _Output:
-    """The host's copy of the generated tokens: per-sequence lists, done flags, streaming and the progress bar."""
+    """The host's copy of the generated tokens: per-sequence lists, done flags, streaming, stop strings and the
+    progress bar.
 
-    def __init__(self, batch: int, real: int, max_new_tokens: int, stops: set[int], on_tokens, bar):
+    ``done[s]``: sequence s needs no more cycles (the device ended it, a stop string did, or it is padding);
+    ``cut[s]``: a stop string ended it (its later tokens are ignored); ``stopped`` lists the sequences a stop
+    string ended since the driver last told the device (:func:`_stop_rows`).
+    """
+
+    def __init__(self, batch: int, real: int, max_new_tokens: int, stops: set[int], on_tokens, bar,
+                 texts: list[SequenceText] | None = None, on_text=None):
         self.tokens: list[list[int]] = [[] for _ in range(batch)]
         self.done = np.arange(batch) >= real
+        self.ended = self.done.copy()
+        self.cut = np.zeros(batch, bool)
+        self.stopped: list[int] = []
         self.max_new, self.stops, self.on_tokens, self.bar = max_new_tokens, stops, on_tokens, bar
+        self.texts, self.on_text = texts, on_text
 
     def first(self, seq: int, tok: int) -> None:
         """The prefill's token of sequence ``seq``, which may end it already."""
         self.add(seq, [tok])
-        self.done[seq] = tok in self.stops or self.max_new <= 1
+        if tok in self.stops or self.max_new <= 1:
+            self.end(seq)
 
     def add(self, seq: int, toks: list[int]) -> None:
-        if not toks:
+        if not toks or self.cut[seq]:
             return
         self.tokens[seq].extend(toks)
-        if self.on_tokens is not None:
-            self.on_tokens(seq, toks)
         if self.bar is not None:
             self.bar.update(len(toks))
+        if self.texts is None:
+            self._deliver(seq, toks, "")
+            return
+        text = self.texts[seq]
+        piece, ids = text.push(toks)
+        self._deliver(seq, ids, piece)
+        if text.stopped:
+            self.cut[seq] = self.done[seq] = self.ended[seq] = True
+            self.stopped.append(seq)
+
+    def end(self, seq: int) -> None:
+        """The device ended sequence ``seq`` (a stop id or its token limit): the rest of its text and ids."""
+        if self.ended[seq]:
+            return
+        self.done[seq] = self.ended[seq] = True
+        if self.texts is not None:
+            piece, ids = self.texts[seq].finish()
+            self._deliver(seq, ids, piece)
+            self.cut[seq] = self.texts[seq].stopped
+
+    def _deliver(self, seq: int, ids: list[int], text: str) -> None:
+        if ids and self.on_tokens is not None:
+            self.on_tokens(seq, ids)
+        if text and self.on_text is not None:
+            self.on_text(seq, text)
+
+    def result(self, real: int) -> tuple[list[list[int]], list[str], list[str] | None]:
+        """``(tokens, finish_reasons, texts)`` of the real sequences."""
+        reasons = [FINISH_STOP if self.cut[s] or (self.tokens[s] and self.tokens[s][-1] in self.stops)
+                   else FINISH_LENGTH for s in range(real)]
+        if self.texts is None:
+            return self.tokens[:real], reasons, None
+        return [t.tokens for t in self.texts], reasons, [t.text for t in self.texts]
+
+
+def _stop_rows(plan: Plan, loop: LoopState, rows: np.ndarray, out: _Output) -> LoopState:
+    """Mark on the device the rows whose sequences a stop string ended (one small dispatch, no host sync): the
+    block after the one in flight skips them."""
+    if not out.stopped:
+        return loop
+    mask = np.isin(rows, out.stopped)
+    out.stopped.clear()
+    return loop.replace(done=jnp.logical_or(loop.done, _put(plan, mask, P(sharding.DP if plan.dp > 1 else None))))
 
 
 def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -188,7 +257,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
              stop_token_ids: Sequence[int] | None = None, max_cache_len: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_tokens: Callable[[int, list[int]], None] | None = None,
              progress: bool = False, proposer: Callable | None = None, mesh: Mesh | None = None,
-             block_cycles: int | None = None) -> GenerateResult:
+             block_cycles: int | None = None, stop: Sequence[str] | str | None = None, tokenizer: Any = None,
+             skip_special_tokens: bool = True,
+             on_text: Callable[[int, str], None] | None = None) -> GenerateResult:
     """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
 
     Args:
@@ -204,7 +275,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             up to a coarse bucket, :func:`capacity_bucket`, so that nearby prompt lengths reuse the compiled
             programs).
         on_tokens: called as ``on_tokens(i, new_ids)`` whenever prompt i gains tokens (streaming: once per
-            prompt for the first token, then once per block and prompt).
+            prompt for the first token, then once per block and prompt). With a ``tokenizer`` it gets the ids
+            that became final with their text (see ``on_text``), so the pieces add up to ``result.tokens[i]``.
         progress: show a progress bar on stderr (updated once per block).
         proposer: a custom draft function with the signature of :func:`draft_propose` (tests use an oracle).
         mesh: a ``("dp", "tp")`` mesh from :func:`diffspec_jax.make_mesh` for tensor (and data) parallelism;
@@ -214,8 +286,17 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             16 cycles. Tree mode with ``hazard`` branching or the adaptive node budget defaults to 1 (those host
             controllers then change the tree shape every cycle, as they learn); an explicit value there keeps
             the shape fixed within a block.
+        stop: stop strings (one string or a list), matched on the decoded text on the host after each block
+            read: the sequence ends at the first occurrence, its text is cut exactly before it and its tokens
+            after the fewest that hold that text are dropped (:class:`GenerateResult`). Needs ``tokenizer``.
+        tokenizer: the target's tokenizer (``decode(ids, skip_special_tokens=...)``, a transformers tokenizer):
+            gives ``result.texts``, stop strings and ``on_text``.
+        skip_special_tokens: leave special tokens out of the text (default; stop strings are matched on it).
+        on_text: called as ``on_text(i, new_text)`` with text of prompt i as it becomes final (incremental
+            decoding never splits a character; a tail that could begin a stop string waits for the next block);
+            the pieces add up to ``result.texts[i]``. Needs ``tokenizer``.
     Returns:
-        :class:`GenerateResult` with ``.tokens`` and ``.stats``.
+        :class:`GenerateResult` with ``.tokens``, ``.stats``, ``.finish_reasons`` and ``.texts``.
     Raises:
         InputError / ConfigError for bad input (empty prompt, prompt longer than the cache, ...).
     """
@@ -224,6 +305,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     seed, stop_token_ids, max_cache_len, prefill_chunk = check_generate_args(
         target.config.vocab_size, seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
         prefill_chunk=prefill_chunk, on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh)
+    stop = check_text_args(stop, tokenizer, on_text, skip_special_tokens)
     tc = target.config
     speculative = draft is not None or proposer is not None
     if proposer is not None and spec.tree:
@@ -252,7 +334,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                               f"got {draft_tp}")
     capacity = (round_capacity(max_cache_len) if max_cache_len is not None
                 else capacity_bucket(need, tc.max_position_embeddings + k_block + 1))
-    plan = Plan(target=tc, draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
+    # the stop ids are an input of the device loop, not part of its programs: targets that differ only in their
+    # EOS ids share the compiled programs
+    plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
+                draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
                 aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
                 mesh=mesh, draft_tp=draft_tp, kernels=dispatch.kernel_backend())
     enable_compilation_cache()
@@ -279,7 +364,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         from tqdm.auto import tqdm
 
         bar = tqdm(total=real * max_new_tokens, unit="tok", leave=False)
-    out = _Output(batch, real, max_new_tokens, stops, on_tokens, bar)
+    texts = None
+    if tokenizer is not None:
+        texts = [SequenceText(tokenizer, stop, skip_special_tokens=skip_special_tokens) for _ in range(real)]
+    out = _Output(batch, real, max_new_tokens, stops, on_tokens, bar, texts, on_text)
 
     # ---- prefill, the first token, the retrieval after prefill
     t0 = time.perf_counter()
@@ -316,6 +404,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     t1 = time.perf_counter()
     rows = np.arange(batch)  # device row -> sequence
     loop = _put(plan, _loop_init(plan, ctl, shape, out, rows, real, max_new_tokens), loop_specs(plan))
+    out.stopped.clear()  # the first tokens' stop strings are in the initial done flags
     stop_arr = _put(plan, _stop_ids(stops), P())
     program = progs.block(int(cycles))
     ahead = 1 if plan.host_shaped and cycles == 1 else 2  # blocks in flight: 1 when a block's inputs need the last
@@ -341,7 +430,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             seq_accepted[seq] += int(res.accepted[r])
             drafted[seq] += int(res.drafted[r])
             out.add(seq, res.tokens[r, : int(res.new[r])].tolist())
-            out.done[seq] = out.done[seq] or bool(res.done[r])
+            if res.done[r]:
+                out.end(seq)
+        loop = _stop_rows(plan, loop, rows, out)
         hist += res.hist.sum(axis=0)
         if res.record is not None:
             _replay(res.record, int(res.steps), used, host_len, shape, ctl, call_ms)
@@ -354,13 +445,15 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                 order = np.concatenate([np.nonzero(live)[0], fill]).astype(np.int64)
                 state, loop = state.take(order), loop.take(order)
                 rows = rows[order]
-    # blocks still in flight started after every sequence had finished: they ran no cycle
+    # blocks still in flight started after every sequence had finished (they ran no cycle), or before a stop
+    # string ended the last ones (they ran the cycles of one block)
     jax.block_until_ready((state.length, loop.done))
     stats.decode_s = time.perf_counter() - t1 - (clock.seconds - compile_before)
     stats.compile_s = clock.seconds
     if bar is not None:
         bar.close()
-    stats.new_tokens = sum(len(o) for o in out.tokens)
+    tokens, reasons, texts = out.result(real)
+    stats.new_tokens = sum(len(t) for t in tokens)
     stats.sequence_cycles, stats.accepted_tokens = int(seq_cycles.sum()), int(seq_accepted.sum())
     stats.drafted_tokens = int(drafted.sum())
     stats.accepted_depth_histogram = [int(x) for x in hist]
@@ -372,11 +465,12 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         stats.mean_acceptance_length = (stats.accepted_tokens + stats.sequence_cycles) / stats.sequence_cycles
     stats.acceptance_length_per_sequence = [float((a + c) / c) if c else None
                                             for a, c in zip(seq_accepted[:real], seq_cycles[:real])]
-    decoded = stats.new_tokens - real  # the first token of each sequence comes from prefill
+    # tokens the device decoded (stop strings may drop some of them from the result) after each first token
+    decoded = sum(len(t) for t in out.tokens[:real]) - real
     stats.decode_tokens_per_s = decoded / stats.decode_s if stats.decode_s > 0 and decoded > 0 else None
     if ctl is not None:
         stats.retrieval = ctl.status(real)
-    return GenerateResult(tokens=out.tokens[:real], stats=stats)
+    return GenerateResult(tokens=tokens, stats=stats, finish_reasons=reasons, texts=texts)
 
 
 def _loop_init(plan: Plan, ctl, shape: _ShapeControl, out: _Output, rows: np.ndarray, real: int,
