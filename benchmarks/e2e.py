@@ -163,11 +163,14 @@ def plot(payload: dict, path: Path) -> str | None:
               ("DiffSpec, projected*", lambda c, m: m.get("diffspec", {}).get("projected", {}).get("wall_s")),
               ("transformers eager", lambda c, m: c.get("transformers", {}).get("eager_wall_s")),
               ("transformers compiled", lambda c, m: c.get("transformers", {}).get("compiled_wall_s"))]
+    values = [(name, f"C{i}", [get(c, {r["method"]: r for r in c["methods"]}) for c in cases])
+              for i, (name, get) in enumerate(series)]
+    values = [v for v in values if any(y is not None for y in v[2])]  # a series this run did not measure: no bar
+    series = values
     width = 0.8 / len(series)
-    for i, (name, get) in enumerate(series):
-        ys = [get(c, {r["method"]: r for r in c["methods"]}) for c in cases]
+    for i, (name, color, ys) in enumerate(values):
         xs = [j + i * width for j, y in enumerate(ys) if y is not None]
-        ax[0].bar(xs, [y for y in ys if y is not None], width, label=name, color=f"C{i}")
+        ax[0].bar(xs, [y for y in ys if y is not None], width, label=name, color=color)
     ax[0].set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(cases))], labels)
     ax[0].set(title=f"Prompt + {payload['settings']['new_tokens']} new tokens, batch 1", ylabel="seconds",
               xlabel="prompt length")
@@ -180,6 +183,9 @@ def plot(payload: dict, path: Path) -> str | None:
     ax[1].plot(x, [1e3 * c.get("device", {}).get("hbm_floor_s", np.nan) for c in cases], ":", label="HBM floor")
     ax[1].plot(x, [1e3 * (get("cycle_s", c, "diffspec") or np.nan) for c in cases], "^-",
                label="generate() DiffSpec cycle")
+    dev_cycle = [1e3 * c.get("device", {}).get("cycle_diffspec_with_retrieval_s", np.nan) for c in cases]
+    if not np.isnan(dev_cycle).all():
+        ax[1].plot(x, dev_cycle, "v--", label="device DiffSpec cycle (benchmark)")
     ax[1].set_xticks(x, labels)
     ax[1].set(title="Decode: what generate() sustains vs the device step", ylabel="ms", xlabel="prompt length")
     ax[1].legend(fontsize=8)
