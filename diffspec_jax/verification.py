@@ -156,3 +156,27 @@ def tree_rejection_accept(key: jax.Array, target_logp: jax.Array, tree, max_dept
                               axis=1)
     emitted = jnp.where(jnp.arange(max_depth + 1)[None, :] < m[:, None], nxt, final[:, None])
     return m, path, emitted.astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------- per-row keys (the server's slots)
+def _one_row(fn, key, *batched):
+    """``fn(key, *rows)`` on batch-1 slices of ``batched`` (every leaf batch-first), the batch axis removed again."""
+    out = fn(key, *jax.tree_util.tree_map(lambda x: x[None], batched))
+    return jax.tree_util.tree_map(lambda x: x[0], out)
+
+
+def rejection_accept_rows(keys: jax.Array, target_logp: jax.Array, drafts: jax.Array,
+                          draft_probs: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """:func:`rejection_accept` with each row's own key (``keys`` uint32 ``[B, 2]``): a row's decisions depend on
+    its key and its own rows only, never on the rest of the batch."""
+    if draft_probs is None:
+        return jax.vmap(lambda k, lp, d: _one_row(rejection_accept, k, lp, d))(keys, target_logp, drafts)
+    return jax.vmap(lambda k, lp, d, q: _one_row(rejection_accept, k, lp, d, q))(keys, target_logp, drafts,
+                                                                                 draft_probs)
+
+
+def tree_rejection_accept_rows(keys: jax.Array, target_logp: jax.Array, tree, max_depth: int, max_children: int
+                               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`tree_rejection_accept` with each row's own key (``keys`` uint32 ``[B, 2]``)."""
+    fn = lambda k, lp, t: tree_rejection_accept(k, lp, t, max_depth, max_children)  # noqa: E731
+    return jax.vmap(lambda k, lp, t: _one_row(fn, k, lp, t))(keys, target_logp, tree)

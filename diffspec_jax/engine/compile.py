@@ -41,10 +41,12 @@ def param_spec_key(params) -> tuple | None:
 
 
 class _CompileClock:
-    """Seconds spent compiling (tracing, lowering, XLA compilation or a persistent-cache load) in one call."""
+    """Seconds spent compiling (tracing, lowering, XLA compilation or a persistent-cache load) in one call, and
+    how many programs were compiled (``count``)."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.count = 0
 
 
 def _signature(args) -> tuple:
@@ -77,6 +79,7 @@ class _Program:
             t = time.perf_counter()
             exe = self.jitted.lower(*args).compile()
             clock.seconds += time.perf_counter() - t
+            clock.count += 1
             self._exe[key] = exe
             while len(self._exe) > self.max_entries:
                 self._exe.popitem(last=False)

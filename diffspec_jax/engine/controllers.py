@@ -43,19 +43,28 @@ class _ShapeControl:
 
     def __init__(self, plan: Plan, lengths: np.ndarray):
         spec, n = plan.spec, len(lengths)
+        self.spec = spec
         self.k, self.nodes = plan.k, spec.diffspec_max_tree_nodes
         self.tree = plan.tree_mode
         self.adaptive = plan.speculative and spec.diffspec_adaptive_profile
+        self.caps: list = [None] * n
+        self.budget: list = [None] * n
+        self.depth: list = [None] * n
+        for i, length in enumerate(lengths):
+            self.reset(i, int(length))
+
+    def reset(self, seq: int, length: int) -> None:
+        """Fresh controllers for sequence ``seq`` starting at prompt ``length`` (a server slot taking a new
+        request)."""
+        spec = self.spec
         if self.tree:
-            self.caps = [adaptive.make_caps_controller(spec.diffspec_tree_branching, self.k, spec.diffspec_tree_topk)
-                         for _ in range(n)]
-            self.budget = [adaptive.NodeBudget(spec.diffspec_max_tree_nodes, self.k) if self.adaptive else None
-                           for _ in range(n)]
+            self.caps[seq] = adaptive.make_caps_controller(spec.diffspec_tree_branching, self.k,
+                                                           spec.diffspec_tree_topk)
+            self.budget[seq] = adaptive.NodeBudget(spec.diffspec_max_tree_nodes, self.k) if self.adaptive else None
         elif self.adaptive:
-            self.depth = [adaptive.AdaptiveDepth(self.k, spec.diffspec_long_context_threshold,
-                                                 spec.diffspec_long_context_depth) for _ in range(n)]
-            for d, length in zip(self.depth, lengths):
-                d.start(int(length))
+            self.depth[seq] = adaptive.AdaptiveDepth(self.k, spec.diffspec_long_context_threshold,
+                                                     spec.diffspec_long_context_depth)
+            self.depth[seq].start(int(length))
 
     def device_depth(self, seqs: np.ndarray) -> dict[str, np.ndarray] | None:
         """The adaptive depths of sequences ``seqs`` as :class:`DepthControl` arrays (``None``: not adaptive)."""

@@ -191,7 +191,8 @@ def _emit(loop: LoopState, out: BlockOut, active, emitted, m, stops) -> tuple[Lo
     b, k1 = emitted.shape
     j = jnp.arange(k1, dtype=jnp.int32)[None, :]
     valid = active[:, None] & (j <= m[:, None])
-    is_stop = jnp.any(emitted[:, :, None] == stops[None, None, :], axis=-1)
+    row_stops = stops[None, None, :] if stops.ndim == 1 else stops[:, None, :]  # [S] shared, or [B, S] per row
+    is_stop = jnp.any(emitted[:, :, None] == row_stops, axis=-1)
     ends = valid & (is_stop | (j + 1 >= (loop.limit - loop.count)[:, None]))
     ended = jnp.any(ends, axis=1)
     take = jnp.where(ended, jnp.argmax(ends, axis=1).astype(jnp.int32) + 1, m + 1)
@@ -290,7 +291,8 @@ def _block(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, st
 
     Args:
         state: :class:`DecodeState`; loop: :class:`LoopState` (both donated).
-        stops: int32 ``[S]`` stop ids, ``-1`` padded (replicated).
+        stops: int32 ``[S]`` stop ids, ``-1`` padded (replicated), or ``[B, S]`` each row's own (the server's
+            slots).
         caps: int32 ``[B, K]``, budget: int32 ``[B]``: tree mode's branching caps and node budgets for the whole
             block (``None`` in chain mode).
     Returns:

@@ -10,7 +10,7 @@ from flax import struct
 from diffspec_jax import retrieval, working_cache
 from diffspec_jax.engine.state import DecodeState, Plan, _rows, _split
 from diffspec_jax.models import eagle3, family
-from diffspec_jax.sampling import choose
+from diffspec_jax.sampling import choose, choose_rows, split_rows
 
 
 @struct.dataclass
@@ -61,7 +61,12 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
 def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths):
     """Sample the first token x_P and make entry P-1 (x_P, F_{P-1}) the pending root."""
     rng, key = _split(plan, state.rng)
-    first = choose(key, acc.logits, plan.sampling)
+    if state.sampling is None:
+        first = choose(key, acc.logits, plan.sampling)
+    else:  # each row samples with its own parameters and key (the server's slots)
+        keys, row_key = split_rows(state.sampling.key)
+        first = choose_rows(row_key, acc.logits, state.sampling)
+        state = state.replace(sampling=state.sampling.replace(key=keys))
     k1 = plan.k + 1
     state = state.replace(
         rng=rng, length=lengths.astype(jnp.int32), last_token=first,

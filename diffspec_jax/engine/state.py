@@ -18,6 +18,7 @@ from diffspec_jax import retrieval, sharding
 from diffspec_jax.cache import HybridCache, KVCache, create_cache
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.models import family
+from diffspec_jax.sampling import SamplingRows
 from diffspec_jax.working_cache import DraftCache
 
 
@@ -36,6 +37,9 @@ class DecodeState:
             pend_count: int32 ``[B]`` how many rows are real (the last real row is the root, ``length - 1``).
         seq_id: int32 ``[B]`` the prompt index of each row (rows are reordered when finished ones are dropped).
         rng: the sampling key.
+        sampling: :class:`~diffspec_jax.sampling.SamplingRows`, each row's own sampling parameters and key (the
+            server's slots), or ``None`` (``generate()``: the plan's static :class:`SamplingConfig` and ``rng``
+            serve every row).
     """
 
     target_cache: KVCache | HybridCache
@@ -48,6 +52,7 @@ class DecodeState:
     pend_count: jax.Array
     seq_id: jax.Array
     rng: jax.Array
+    sampling: SamplingRows | None = None
 
     def take(self, rows: np.ndarray) -> DecodeState:
         """Keep batch rows ``rows`` (compaction when sequences finish)."""

@@ -27,7 +27,7 @@ from diffspec_jax.cache import move_rows
 from diffspec_jax.engine.propose import draft_propose, draft_propose_tree
 from diffspec_jax.engine.state import DecodeState, Plan, _rows, _split
 from diffspec_jax.models import family
-from diffspec_jax.sampling import choose, processed_logprobs
+from diffspec_jax.sampling import choose, choose_rows, processed_logprobs, processed_logprobs_rows, split_rows
 
 
 def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_rows=None, *,
@@ -51,7 +51,9 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
     out, tcache = fam.step(plan.target, tparams, state.target_cache, block, state.length, rows,
                            aux_layers=plan.aux_layers if plan.draft is not None else (),
                            score_layer=plan.score_layer, axis_name=plan.tp_axis, snapshots=True)
-    if plan.sampling.greedy:
+    if state.sampling is not None:
+        state, m, emitted = _accept_rows(state, active, out.logits, drafts, q)
+    elif plan.sampling.greedy:
         m, emitted = verification.greedy_accept(out.logits, drafts)
     else:
         m, emitted = verification.rejection_accept(k_verify, processed_logprobs(out.logits, plan.sampling),
@@ -113,7 +115,9 @@ def _tree_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, caps, 
     out, tcache = fam.step(plan.target, tparams, state.target_cache, t.tokens, state.length, rows,
                            aux_layers=plan.aux_layers, score_layer=plan.score_layer, axis_name=plan.tp_axis,
                            tree=(t.depth, mask))
-    if plan.sampling.greedy:
+    if state.sampling is not None:
+        state, m, path, emitted = _tree_accept_rows(plan, state, active, out.logits, t)
+    elif plan.sampling.greedy:
         m, path, emitted = verification.tree_greedy_accept(out.logits, t, depth)
     else:
         m, path, emitted = verification.tree_rejection_accept(
@@ -132,8 +136,53 @@ def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     out, tcache = family(plan.target).step(plan.target, tparams, state.target_cache, state.last_token[:, None],
                                            state.length, rows, axis_name=plan.tp_axis,
                                            num_valid=active.astype(jnp.int32))
-    tok = choose(key, out.logits[:, 0], plan.sampling)
+    if state.sampling is None:
+        tok = choose(key, out.logits[:, 0], plan.sampling)
+    else:
+        state, row_key = _row_keys(state, active)
+        tok = choose_rows(row_key, out.logits[:, 0], state.sampling)
     zero = jnp.zeros_like(state.length)
     state = state.replace(target_cache=tcache, rng=rng, length=jnp.where(active, state.length + 1, state.length),
                           last_token=jnp.where(active, tok, state.last_token))
     return state, tok[:, None], zero, zero, zero
+
+
+# ------------------------------------------------------------------ per-row sampling (DecodeState.sampling)
+def _row_keys(state: DecodeState, active):
+    """Advance the active rows' own keys; returns ``(state, the key each row uses now [B, 2])``."""
+    rows = state.sampling
+    keys, use = split_rows(rows.key)
+    keys = jnp.where(active[:, None], keys, rows.key)
+    return state.replace(sampling=rows.replace(key=keys)), use
+
+
+def _accept_rows(state: DecodeState, active, logits, drafts, q):
+    """Chain acceptance row by row: greedy rows take the greedy prefix, sampled rows rejection-sample with their
+    own parameters and key (skipped when no row samples). Returns ``(state, m [B], emitted [B, K+1])``."""
+    state, keys = _row_keys(state, active)
+    rows = state.sampling
+    m_g, e_g = verification.greedy_accept(logits, drafts)
+
+    def sampled():
+        m_s, e_s = verification.rejection_accept_rows(keys, processed_logprobs_rows(logits, rows), drafts, q)
+        return jnp.where(rows.greedy, m_g, m_s), jnp.where(rows.greedy[:, None], e_g, e_s)
+
+    m, emitted = jax.lax.cond(jnp.any(~rows.greedy), sampled, lambda: (m_g, e_g))
+    return state, m, emitted
+
+
+def _tree_accept_rows(plan: Plan, state: DecodeState, active, logits, t):
+    """Tree acceptance row by row (see :func:`_accept_rows`). Returns ``(state, m, path, emitted)``."""
+    state, keys = _row_keys(state, active)
+    rows = state.sampling
+    depth = plan.k
+    g = verification.tree_greedy_accept(logits, t, depth)
+
+    def sampled():
+        s = verification.tree_rejection_accept_rows(keys, processed_logprobs_rows(logits, rows), t, depth,
+                                                    plan.spec.diffspec_tree_topk)
+        pick = lambda a, b: jnp.where(rows.greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
+        return tuple(pick(a, b) for a, b in zip(g, s))
+
+    m, path, emitted = jax.lax.cond(jnp.any(~rows.greedy), sampled, lambda: g)
+    return state, m, path, emitted

@@ -1,0 +1,178 @@
+"""Slots: requests joining and leaving a running batch between device blocks (the server's continuous batching,
+:mod:`diffspec_jax.serving.scheduler`).
+
+A batch of ``B`` rows ("slots") at a fixed cache capacity is created once; every function here is a pure function
+of ``(plan, ..., state, ..., slot)`` with a traced ``slot`` index, so one compiled program serves every slot and
+every prompt length up to the capacity:
+
+* :func:`slot_reset`: clear the slot's per-sequence state that is not indexed by position (lengths, pending draft
+  entries, retrieval state, the recurrent states of hybrid targets) and set its sampling parameters and key. KV
+  rows are never cleared: rows beyond a committed length are masked and overwritten (as in ``generate()``).
+* :func:`slot_prefill`: one prefill chunk of one prompt (a fixed width ``W``) into the slot's rows of the target
+  cache and the draft's store, by the engine's own :func:`~diffspec_jax.engine.prefill._prefill_chunk` on the
+  slot's batch-1 view; the host interleaves these chunks with decode blocks of the other slots.
+* :func:`slot_start`: after the last chunk, the first token and the pending root entry
+  (:func:`~diffspec_jax.engine.prefill._start_decode`), DiffSpec's retrieval after prefill
+  (:func:`~diffspec_jax.engine.retrieve._retrieve`), and the slot's row of the :class:`LoopState` (live, token
+  count, limit, a fresh retrieval cadence and depth controller), so the next block decodes it.
+* :func:`slot_release`: mark the slot done (a cancelled request, a stop string): the device loop's masked rows
+  then cost it nothing more.
+
+Decoding itself is the engine's device loop (:func:`~diffspec_jax.engine.loop._block`) over all ``B`` rows, with
+each row's own stop ids (``stops [B, S]``) and, through :class:`~diffspec_jax.sampling.SamplingRows` in the state,
+its own temperature, top-k, top-p and key.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+
+from diffspec_jax.cache import HybridCache
+from diffspec_jax.engine.compile import _Program
+from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
+from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
+from diffspec_jax.engine.retrieve import _retrieve
+from diffspec_jax.engine.state import DecodeState, Plan, _init_state
+from diffspec_jax.errors import ConfigError
+from diffspec_jax.sampling import SamplingRows
+
+
+def _take(tree, slot):
+    """The batch-1 view ``[slot:slot+1]`` of every (batch-first) leaf."""
+    return jax.tree_util.tree_map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0), tree)
+
+
+def _put(tree, rows, slot):
+    """Write batch-1 ``rows`` into row ``slot`` of every leaf of ``tree``."""
+    return jax.tree_util.tree_map(
+        lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, jnp.asarray(y, x.dtype), slot, axis=0), tree, rows)
+
+
+def _set(x: jax.Array, slot, value) -> jax.Array:
+    """``x`` with row ``slot`` set to ``value`` (broadcast to one row)."""
+    return _put(x, jnp.broadcast_to(jnp.asarray(value, x.dtype), (1,) + x.shape[1:]), slot)
+
+
+def _rows(state: DecodeState, slot) -> DecodeState:
+    """The slot's batch-1 :class:`DecodeState` (the unbatched ``rng`` passed through)."""
+    return _take(state.replace(rng=None), slot).replace(rng=state.rng)
+
+
+def init_slots(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple[DecodeState, LoopState]:
+    """``batch`` empty slots: a zeroed :class:`DecodeState` with per-row sampling, and a :class:`LoopState` where
+    every row is done."""
+    state = _init_state(plan, batch, target_dtype, draft_dtype, 0).replace(sampling=SamplingRows.create(batch))
+    zero = jnp.zeros((batch,), jnp.int32)
+    cad = depth = None
+    if plan.diffspec:
+        cad = Cadence(since=zero, interval=zero + plan.spec.diffspec_retrieval_interval, accept_sum=zero,
+                      accept_n=zero, prev_sum=zero, prev_n=zero, selected=jnp.zeros((batch, plan.num_chunks), bool))
+    if plan.adaptive_depth:
+        depth = DepthControl(depth=zero + plan.k, floor=zero + plan.k, good=zero, bad=zero)
+    loop = LoopState(done=jnp.ones((batch,), bool), count=zero, limit=zero, cadence=cad, depth=depth)
+    return state, loop
+
+
+def slot_reset(plan: Plan, state: DecodeState, slot, temperature, top_k, top_p, key) -> DecodeState:
+    """Clear slot ``slot`` for a new request and set its sampling row (``key`` uint32 ``[2]``).
+
+    Until :func:`slot_start` the slot's committed length is the capacity: the decode blocks that run while its
+    prompt is prefilled (the slot masked as done) then write their K/V rows and draft entries for it past the
+    cache, where they are dropped, instead of over the prompt."""
+    state = state.replace(length=_set(state.length, slot, plan.capacity), last_token=_set(state.last_token, slot, 0),
+                          pend_tokens=_set(state.pend_tokens, slot, 0), pend_feats=_set(state.pend_feats, slot, 0),
+                          pend_count=_set(state.pend_count, slot, 0), seq_id=_set(state.seq_id, slot, slot))
+    ret = state.retrieval
+    if ret is not None:
+        ret = ret.replace(anchors=_set(ret.anchors, slot, -1), score_q=_set(ret.score_q, slot, 0),
+                          score_lse=_set(ret.score_lse, slot, 0), draft_q=_set(ret.draft_q, slot, 0),
+                          chunk_sum=None if ret.chunk_sum is None else _set(ret.chunk_sum, slot, 0))
+        state = state.replace(retrieval=ret)
+    tc = state.target_cache
+    if isinstance(tc, HybridCache):  # recurrent states start from zero (KV rows need no clearing)
+        zero = lambda bufs: tuple(_set(b, slot, 0) for b in bufs)  # noqa: E731
+        state = state.replace(target_cache=tc.replace(conv_q=zero(tc.conv_q), conv_k=zero(tc.conv_k),
+                                                      conv_v=zero(tc.conv_v), ssm=zero(tc.ssm)))
+    rows = state.sampling
+    return state.replace(sampling=rows.replace(
+        temperature=_set(rows.temperature, slot, temperature), top_k=_set(rows.top_k, slot, top_k),
+        top_p=_set(rows.top_p, slot, top_p), key=_set(rows.key, slot, key)))
+
+
+def new_acc(plan: Plan, target_dtype) -> _PrefillAcc:
+    """A batch-1 prefill accumulator (the last prompt position's logits, aux features, scoring query)."""
+    tc = plan.target
+    return _PrefillAcc(logits=jnp.zeros((1, tc.vocab_size), jnp.float32),
+                       aux=jnp.zeros((1, max(1, len(plan.aux_layers) * tc.hidden_size)), target_dtype),
+                       score_q=jnp.zeros((1, tc.num_attention_heads, tc.head_dim), jnp.float32),
+                       score_lse=jnp.zeros((1, tc.num_attention_heads), jnp.float32))
+
+
+def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: _PrefillAcc, slot, tokens, next_tokens,
+                 start, length) -> tuple[DecodeState, _PrefillAcc]:
+    """One prefill chunk of the prompt in slot ``slot``: ``tokens`` / ``next_tokens`` int32 ``[1, W]`` (the prompt
+    from ``start`` and shifted by one, zero-padded), ``start`` and ``length`` (the prompt's) int32 ``[1]``."""
+    rows, acc = _prefill_chunk(plan, tparams, dparams, _rows(state, slot), acc, tokens, next_tokens, start, length)
+    return _put(state.replace(rng=None), rows.replace(rng=None), slot).replace(rng=state.rng), acc
+
+
+def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, acc: _PrefillAcc, slot, length,
+               limit, stops, retrieve, depth, floor):
+    """Start decoding slot ``slot`` after its prefill.
+
+    Args:
+        length: int32 ``[1]`` the prompt length; limit: int32 ``[]`` the request's token limit; stops: int32
+            ``[S]`` its stop ids (``-1`` padded); retrieve: bool ``[]`` run DiffSpec's retrieval after prefill
+            now; depth, floor: int32 ``[]`` the adaptive chain depth to start at (ignored without it).
+    Returns:
+        ``(state, loop, first token int32 [], anchors int32 [A] (the retrieval's; zeros without DiffSpec))``.
+    """
+    rows, first = _start_decode(plan, _rows(state, slot), acc, length)
+    anchors = jnp.zeros((max(1, plan.spec.max_chunks - 1),), jnp.int32)
+    if plan.diffspec:
+        rows, ranks = _retrieve(plan, tparams, dparams, rows, retrieve[None])
+        anchors = ranks[0, 0]
+    # only the small per-sequence leaves changed (caches are untouched): write those back
+    small = lambda s: s.replace(rng=None, target_cache=None,  # noqa: E731
+                                draft_cache=None)
+    state = _put(small(state), small(rows), slot).replace(rng=state.rng, target_cache=state.target_cache,
+                                                          draft_cache=state.draft_cache)
+    done = jnp.any(first[0] == stops) | (limit <= 1)
+    loop = loop.replace(done=_set(loop.done, slot, done), count=_set(loop.count, slot, 1),
+                        limit=_set(loop.limit, slot, limit))
+    if loop.cadence is not None:
+        zero = jnp.zeros((1,), jnp.int32)
+        fresh = Cadence(since=zero, interval=zero + plan.spec.diffspec_retrieval_interval, accept_sum=zero,
+                        accept_n=zero, prev_sum=zero, prev_n=zero,
+                        selected=jnp.zeros((1, plan.num_chunks), bool))
+        cad = _cadence_record(plan, fresh, retrieve[None], anchors[None], length - 1)
+        loop = loop.replace(cadence=_put(loop.cadence, cad, slot))
+    if loop.depth is not None:
+        row = DepthControl(depth=depth[None], floor=floor[None], good=jnp.zeros((1,), jnp.int32),
+                           bad=jnp.zeros((1,), jnp.int32))
+        loop = loop.replace(depth=_put(loop.depth, row, slot))
+    return state, loop, first[0], anchors
+
+
+def slot_release(plan: Plan, loop: LoopState, slot) -> LoopState:
+    """Mark slot ``slot`` done: the device loop stops decoding it (its rows stay masked until the next admission)."""
+    return loop.replace(done=_set(loop.done, slot, True))
+
+
+@functools.lru_cache(maxsize=16)
+def slot_programs(plan: Plan) -> SimpleNamespace:
+    """The ahead-of-time compiled :class:`_Program` of each slot function for ``plan`` (state, loop and the
+    prefill accumulator donated): ``reset``, ``prefill``, ``start``, ``release``. Without a mesh only."""
+    if plan.mesh is not None:
+        raise ConfigError("request slots run on one device: a plan with a mesh (tensor parallelism) is not "
+                          "supported by the slot programs yet")
+
+    def make(fn, donate):
+        return _Program(jax.jit(functools.partial(fn, plan), donate_argnums=donate))
+
+    return SimpleNamespace(reset=make(slot_reset, (0,)), prefill=make(slot_prefill, (2, 3)),
+                           start=make(slot_start, (2, 3)), release=make(slot_release, (0,)))
