@@ -1,0 +1,650 @@
+"""The slot engine: continuous batching over a static number of request slots, speculative decoding included.
+
+One :class:`SlotEngine` owns a batch of ``max_num_seqs`` slots at a fixed cache capacity (``max_model_len``
+rounded as :func:`~diffspec_jax.engine.compile.capacity_bucket` rounds it) and runs in its own thread. Requests
+wait in a bounded queue; a request joins a free slot between device blocks: its prompt is prefilled into that
+slot in chunks of one fixed width (:mod:`diffspec_jax.engine.slots`), one chunk per decode block of the running
+slots, then it decodes with them in the engine's device loop (:func:`~diffspec_jax.engine.loop._block`, every
+slot with its own stop ids, sampling parameters, key, working cache and retrieval cadence). It leaves when it is
+done (a stop id, its token limit, a stop string, a cancellation, its timeout) and the slot is reused. Every
+program is compiled once, at warm-up; no mix of prompt lengths, sampling parameters or arrivals compiles again
+(:attr:`SlotEngine.compiles` counts the engine's programs, :attr:`SlotEngine.xla_compiles` every XLA
+compilation of the process).
+
+As in ``generate()`` the host keeps up to two blocks in flight ahead of the one it reads. Results reach a request
+through its ``sink`` (called on the engine thread with :class:`Event` values); what happens to the text
+(detokenization, stop strings) is the request's ``output`` processor, also run on the engine thread. A failure in
+one request's processing fails that request alone; a failure of the device programs fails every request and stops
+the engine (:attr:`SlotEngine.error`).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import numpy as np
+
+from diffspec_jax.config import SamplingConfig, SpecConfig
+from diffspec_jax.engine.compile import _CompileClock, _Program, capacity_bucket, compiled, enable_compilation_cache
+from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
+from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate, prepare_params
+from diffspec_jax.engine.slots import init_slots, new_acc, slot_programs
+from diffspec_jax.engine.state import Plan
+from diffspec_jax.errors import ConfigError, DiffspecError, InputError
+from diffspec_jax.sampling import seed_key
+from diffspec_jax.target import REFERENCE_PREFILL_CHUNK, TargetModel, check_token_ids
+from diffspec_jax.validation import check_bool, check_int, check_real
+from pallas_kernels import dispatch
+
+#: stop ids per request (the target's EOS ids included): a static width, so no stop set recompiles anything
+MAX_STOP_IDS = 16
+#: ``max_model_len`` when none is given: the target's context window, at most this
+DEFAULT_MAX_MODEL_LEN = 4096
+#: prefill chunk width on GPUs (CPUs: ``REFERENCE_PREFILL_CHUNK``): long enough for an efficient prefill, short
+#: enough that a chunk interleaved between two decode blocks does not stall the running requests for long
+GPU_PREFILL_CHUNK = 2048
+#: blocks in flight ahead of the one the host reads (as ``generate()``)
+AHEAD = 2
+#: the window of the tokens/s gauge, seconds
+RATE_WINDOW_S = 10.0
+#: the XLA event counted by :attr:`SlotEngine.xla_compiles`
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class QueueFull(DiffspecError):
+    """The waiting queue is at ``max_waiting``: try again later (HTTP 503 with ``Retry-After``)."""
+
+
+class EngineStopped(DiffspecError):
+    """The engine is not running (not started, stopped, or stopped by an error)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of a :class:`SlotEngine` (validated at construction).
+
+    Attributes:
+        max_num_seqs: request slots decoded together (the static batch) [8].
+        max_model_len: the most tokens (prompt + generated) of one request [the target's context window, at most
+            :data:`DEFAULT_MAX_MODEL_LEN`]; the cache capacity is this + the verify block, bucketed.
+        prefill_chunk: prompt tokens per prefill chunk, one fixed width [512 on CPUs, :data:`GPU_PREFILL_CHUNK` on
+            GPUs; at most the capacity].
+        block_cycles: decode cycles per device block [16; 1 for tree mode with host-shaped trees].
+        max_waiting: requests waiting for a slot beyond which :meth:`SlotEngine.submit` refuses [256].
+        request_timeout: seconds a request may take from submission to its last token (``None``: no limit)
+            [600].
+    """
+
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    prefill_chunk: int | None = None
+    block_cycles: int | None = None
+    max_waiting: int = 256
+    request_timeout: float | None = 600.0
+
+    def __post_init__(self) -> None:
+        check_int(self.max_num_seqs, "max_num_seqs", min=1, max=4096)
+        check_int(self.max_model_len, "max_model_len", min=2, none_ok=True)
+        check_int(self.prefill_chunk, "prefill_chunk", min=1, none_ok=True)
+        check_int(self.block_cycles, "block_cycles", min=1, none_ok=True)
+        check_int(self.max_waiting, "max_waiting", min=0)
+        check_real(self.request_timeout, "request_timeout", min=0.0, min_open=True, none_ok=True)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's decoding parameters (validated at construction; errors are :class:`InputError`).
+
+    Attributes:
+        max_tokens: the most tokens to generate (>= 1).
+        temperature, top_p, top_k: as :class:`SamplingConfig` (temperature 0 = greedy).
+        seed: the request's sampling seed (``None``: a random one); a seed gives the same tokens whatever else
+            runs in the batch.
+        stop_token_ids: ids that end the request besides the target's EOS ids.
+        ignore_eos: the EOS ids do not end the request.
+    """
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        check_int(self.max_tokens, "max_tokens", min=1, error=InputError)
+        try:
+            cfg = SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+        except ConfigError as exc:
+            raise InputError(str(exc)) from None
+        object.__setattr__(self, "temperature", cfg.temperature)
+        check_int(self.seed, "seed", min=-(2 ** 63), max=2 ** 64 - 1, none_ok=True, error=InputError)
+        ids = tuple(check_int(t, f"stop_token_ids[{i}]", min=0, error=InputError)
+                    for i, t in enumerate(self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", ids)
+        check_bool(self.ignore_eos, "ignore_eos", error=InputError)
+
+
+class OutputProcessor(Protocol):
+    """What a request does with its tokens, run on the engine thread (:class:`diffspec_jax.stopping.SequenceText`
+    is one): ``push(ids) -> (text that became final, ids)``, ``stopped`` (a stop string has matched: the request
+    ends) and ``finish() -> (the rest of the text, ids)``."""
+
+    stopped: bool
+
+    def push(self, ids: Sequence[int]) -> tuple[str, list[int]]: ...
+
+    def finish(self) -> tuple[str, list[int]]: ...
+
+
+@dataclass
+class Event:
+    """What a request's sink receives: ``kind`` ``"tokens"`` (``token_ids`` and their ``text``), ``"finish"``
+    (``finish_reason`` ``stop`` / ``length`` / ``abort``, with the usage counts) or ``"error"`` (``status``,
+    ``message``, ``error_type``: the request failed)."""
+
+    kind: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    status: int | None = None
+    message: str | None = None
+    error_type: str | None = None
+
+
+class Request:
+    """A request in the engine: prompt ids, :class:`SamplingParams`, ``sink(Event)`` (called on the engine
+    thread) and an optional :class:`OutputProcessor`."""
+
+    def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Callable[[Event], None],
+                 output: OutputProcessor | None = None, request_id: str | None = None):
+        self.id = request_id or uuid.uuid4().hex
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.params = params
+        self.sink = sink
+        self.output = output
+        self.seed = params.seed % 2 ** 64 if params.seed is not None else secrets.randbits(64)
+        self.arrival = time.monotonic()
+        self.deadline: float | None = None
+        self.tokens: list[int] = []
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.slot: int | None = None
+        self.phase: str | None = None  # None (waiting), "prefill", "decode"
+        self.first_token_at: float | None = None
+        self.cycles = 0
+        self.accepted = 0
+
+
+@dataclass
+class _Admission:
+    """A prompt being prefilled into a slot, chunk by chunk."""
+
+    req: Request
+    slot: int
+    tokens: np.ndarray  # int32 [n_chunks * W + 1], zero padded
+    n_chunks: int
+    acc: Any
+    chunk: int = 0
+
+
+class SlotEngine:
+    """Continuous batching over fixed slots (see the module docstring).
+
+    Args:
+        target, draft: loaded models (``draft=None``: the target alone).
+        spec: :class:`SpecConfig` (K, policy, DiffSpec settings).
+        config: :class:`EngineConfig`.
+        eos_token_ids: the ids that end every request unless it asks ``ignore_eos`` (default: the target
+            config's EOS ids).
+    """
+
+    def __init__(self, target: TargetModel, draft=None, spec: SpecConfig = SpecConfig(),
+                 config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] | None = None):
+        if not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
+        _validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
+        tc = target.config
+        self.target, self.draft, self.spec, self.config = target, draft, spec, config
+        speculative = draft is not None
+        k = spec.num_speculative_tokens if speculative else 0
+        k_block = spec.diffspec_max_tree_nodes if speculative and spec.tree else k
+        self.max_model_len = config.max_model_len or min(tc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > tc.max_position_embeddings:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the target's context window "
+                              f"(max_position_embeddings {tc.max_position_embeddings})")
+        capacity = capacity_bucket(self.max_model_len + k_block + 1, tc.max_position_embeddings + k_block + 1)
+        self.plan = plan = Plan(target=tc, draft=draft.config if speculative else None, spec=spec,
+                                sampling=SamplingConfig(), aux_layers=draft.aux_layers if speculative else (),
+                                capacity=capacity, kernels=dispatch.kernel_backend())
+        self.num_slots = b = config.max_num_seqs
+        width = config.prefill_chunk or (GPU_PREFILL_CHUNK if jax.default_backend() == "gpu"
+                                         else REFERENCE_PREFILL_CHUNK)
+        self.prefill_chunk = min(width, capacity)
+        self.block_cycles = config.block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
+        self.eos = tuple(tc.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        if len(self.eos) > MAX_STOP_IDS:
+            raise ConfigError(f"{len(self.eos)} EOS ids; at most {MAX_STOP_IDS} stop ids fit a slot")
+        check_token_ids(list(self.eos) or [0], tc.vocab_size, "eos_token_ids")
+        enable_compilation_cache()
+        self.tparams, self.dparams = prepare_params(target, draft, None)
+        ddtype = self.dparams["fc"].dtype if self.dparams else target.dtype
+        self.clock = _CompileClock()
+        self._progs = slot_programs(plan)
+        self._block = compiled(plan).programs.block(int(self.block_cycles))
+        self._init = _Program(jax.jit(lambda: init_slots(plan, b, target.dtype, ddtype)))
+        self._acc = _Program(jax.jit(lambda: new_acc(plan, target.dtype)))
+        self._ctl = _RetrievalControl(spec, b) if plan.diffspec else None
+        self._shape = _ShapeControl(plan, np.zeros(b, np.int64))
+        self._host_len = np.zeros(b, np.int64)
+        self._stops = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        self._stopsets: list[frozenset] = [frozenset()] * b
+        self.slots: list[Request | None] = [None] * b
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._inbox: queue.Queue = queue.Queue()
+        self._pending: collections.deque = collections.deque()
+        self._in_flight = 0
+        self._admitting: _Admission | None = None
+        self._lock = threading.Lock()
+        self._queued = 0  # submitted, not yet admitted or dropped (inbox + waiting)
+        self._rate: collections.deque = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.xla_compiles = 0
+        self.warmup_compiles: int | None = None
+        self.warmup_xla_compiles: int | None = None
+        self.counters = collections.Counter()
+        self._state = self._loop = None
+
+    # ------------------------------------------------------------------------------------------- public API
+    @property
+    def capacity(self) -> int:
+        return self.plan.capacity
+
+    @property
+    def compiles(self) -> int:
+        """The engine's programs compiled so far (warm-up included)."""
+        return self.clock.count
+
+    def start(self, warmup: bool = True) -> SlotEngine:
+        """Create the slots, compile every program (``warmup``: by running one throw-away request through
+        them) and start the engine thread. Returns ``self``."""
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        self._state, self._loop = self._init(self.clock)
+        if warmup:
+            self._warmup()
+        self.warmup_compiles, self.warmup_xla_compiles = self.compiles, self.xla_compiles
+        self._thread = threading.Thread(target=self._run, name="diffspec-slot-engine", daemon=True)
+        self._thread.start()
+        self.ready.set()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread (requests still in it are aborted)."""
+        self._stopping = True
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+    def submit(self, req: Request) -> None:
+        """Queue ``req`` (thread-safe). Raises :class:`InputError` for a request that cannot run here,
+        :class:`QueueFull` when ``max_waiting`` requests wait already, :class:`EngineStopped`."""
+        self.check_request(len(req.prompt_ids), req.params.max_tokens)
+        check_token_ids(req.prompt_ids, self.target.config.vocab_size, "the prompt")
+        n_stop = len(set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else set(self.eos)))
+        if n_stop > MAX_STOP_IDS:
+            raise InputError(f"{len(req.params.stop_token_ids)} stop token ids; at most "
+                             f"{MAX_STOP_IDS - len(self.eos)} fit beside the model's EOS ids")
+        check_token_ids(list(req.params.stop_token_ids) or [0], self.target.config.vocab_size, "stop_token_ids")
+        if self.error is not None or self._stopping or not self.ready.is_set():
+            raise EngineStopped("the engine is not running" + (f" (it failed: {self.error})" if self.error else ""))
+        with self._lock:
+            if self._queued >= self.config.max_waiting:
+                self.counters["rejected_queue_full"] += 1
+                raise QueueFull(f"{self._queued} requests are waiting (max_waiting={self.config.max_waiting}); "
+                                f"retry later")
+            self._queued += 1
+        if self.config.request_timeout is not None:
+            req.deadline = req.arrival + self.config.request_timeout
+        self._inbox.put(("submit", req))
+
+    def check_request(self, prompt_tokens: int, max_tokens: int) -> None:
+        """:class:`InputError` unless a prompt of ``prompt_tokens`` and ``max_tokens`` new tokens fit
+        ``max_model_len``."""
+        if prompt_tokens < 1:
+            raise InputError("the prompt is empty; it needs at least one token")
+        if prompt_tokens + max_tokens > self.max_model_len:
+            raise InputError(f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                             f"{prompt_tokens} prompt tokens and max_tokens {max_tokens} ({prompt_tokens + max_tokens}"
+                             f" in all): shorten the prompt or lower max_tokens")
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe): it leaves the queue or its slot; its sink gets ``finish`` with
+        ``finish_reason="abort"`` unless it had finished."""
+        self._inbox.put(("abort", request_id))
+
+    def metrics(self) -> dict[str, Any]:
+        """A snapshot of the engine's gauges and counters (thread-safe)."""
+        now = time.monotonic()
+        with self._lock:
+            while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
+                self._rate.popleft()
+            recent = sum(n for _, n in self._rate)
+            span = min(RATE_WINDOW_S, now - self._rate[0][0]) if self._rate else 0.0
+            c = dict(self.counters)
+            queued = self._queued
+        running = sum(1 for r in self.slots if r is not None)
+        cycles = c.get("cycles", 0)
+        return {"requests_running": running, "requests_waiting": queued, "slots_used": running,
+                "slots_total": self.num_slots, "tokens_per_s": recent / span if span > 0 else 0.0,
+                "mean_acceptance_length": (c.get("accepted", 0) + cycles) / cycles if cycles else None,
+                "policy": self.policy, "compiles": self.compiles, "compile_s": self.clock.seconds,
+                "xla_compiles": self.xla_compiles,
+                "compiles_after_warmup": self.compiles - (self.warmup_compiles or 0),
+                "xla_compiles_after_warmup": self.xla_compiles - (self.warmup_xla_compiles or 0),
+                "healthy": self.error is None and self.ready.is_set() and not self._stopping, **{
+                    f"total_{k}": v for k, v in c.items()}}
+
+    @property
+    def policy(self) -> str:
+        """The drafting policy, as metrics label it: ``target-only`` or the draft context policy."""
+        return self.spec.draft_context_policy if self.draft is not None else "target-only"
+
+    # ----------------------------------------------------------------------------------------- engine thread
+    def _bump(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[key] += n
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == _BACKEND_COMPILE_EVENT:
+            self.xla_compiles += 1
+
+    def _warmup(self) -> None:
+        """Compile every program: a throw-away request through admission and decoding (each block program holds
+        the greedy and the sampling branches), and a second one released while it decodes."""
+        events = []
+        req = Request([0], SamplingParams(max_tokens=2, seed=0, ignore_eos=True), events.append)
+        self._waiting.append(req)
+        while not req.finished:
+            self._step()
+        req = Request([0], SamplingParams(max_tokens=self.max_model_len - 1, seed=0, ignore_eos=True), events.append)
+        self._waiting.append(req)
+        while req.phase != "decode":
+            self._step()
+        self._finish(req, "abort", release=True)
+        while self._pending:
+            self._read_one()
+        self.counters.clear()
+        with self._lock:
+            self._rate.clear()
+        if self._ctl is not None:
+            self._ctl = _RetrievalControl(self.spec, self.num_slots)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._step()
+        except BaseException as exc:  # a device program failed: the batch state is gone, fail every request
+            self.error = exc
+            for req in list(self._waiting) + [r for r in self.slots if r is not None]:
+                self._fail(req, 500, f"the engine failed: {type(exc).__name__}: {exc}", "internal_error")
+            self._drain_failed()
+            raise
+        for req in list(self._waiting) + [r for r in self.slots if r is not None]:
+            self._finish(req, "abort", release=False)
+
+    def _drain_failed(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self._fail(item, 500, "the engine failed", "internal_error")
+
+    def _idle(self) -> bool:
+        return not (self._waiting or self._admitting or self._pending or any(self.slots))
+
+    def _step(self) -> None:
+        """One iteration: take messages, expire timeouts, one admission step, one block, one result read."""
+        self._take_messages(block=self._idle())
+        self._expire()
+        did = self._admission_step()
+        if self._in_flight < AHEAD and any(r is not None and r.phase == "decode" for r in self.slots):
+            self._dispatch_block()
+            did = True
+        if self._pending and (not did or self._in_flight >= AHEAD):
+            self._read_one()
+
+    def _take_messages(self, block: bool) -> None:
+        try:
+            msg = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, item = msg
+            if kind == "submit":
+                self._waiting.append(item)
+            elif kind == "abort":
+                self._abort(item)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _abort(self, request_id: str) -> None:
+        for req in list(self._waiting) + [r for r in self.slots if r is not None]:
+            if req.id == request_id:
+                self._finish(req, "abort", release=True)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for req in list(self._waiting) + [r for r in self.slots if r is not None]:
+            if req.deadline is not None and now > req.deadline:
+                self._bump("timeouts", 1)
+                self._fail(req, 504, f"the request ran past its timeout of {self.config.request_timeout:g} s",
+                           "timeout")
+
+    # admission ------------------------------------------------------------------------------------------
+    def _admission_step(self) -> bool:
+        """Start an admission into a free slot, or dispatch the next prefill chunk (and, after the last one, the
+        slot's start). Returns whether anything was dispatched."""
+        if self._admitting is None:
+            free = [i for i, r in enumerate(self.slots) if r is None]
+            if not self._waiting or not free:
+                return False
+            req = self._waiting.popleft()
+            with self._lock:
+                self._queued = max(0, self._queued - 1)
+            slot = free[0]
+            self.slots[slot], req.slot, req.phase = req, slot, "prefill"
+            p = req.params
+            self._state = self._progs.reset(self.clock, self._state, np.int32(slot), np.float32(p.temperature),
+                                            np.int32(p.top_k), np.float32(p.top_p), seed_key(req.seed))
+            w = self.prefill_chunk
+            n = -(-len(req.prompt_ids) // w)
+            tokens = np.zeros(n * w + 1, np.int32)
+            tokens[:len(req.prompt_ids)] = req.prompt_ids
+            self._admitting = _Admission(req, slot, tokens, n, self._acc(self.clock))
+        a, w = self._admitting, self.prefill_chunk
+        s = a.chunk * w
+        length = np.array([len(a.req.prompt_ids)], np.int32)
+        self._state, a.acc = self._progs.prefill(self.clock, self.tparams, self.dparams, self._state, a.acc,
+                                                 np.int32(a.slot), a.tokens[None, s:s + w],
+                                                 a.tokens[None, s + 1:s + w + 1], np.array([s], np.int32), length)
+        a.chunk += 1
+        if a.chunk == a.n_chunks:
+            self._admitting = None
+            self._start(a, length)
+        return True
+
+    def _start(self, a: _Admission, length: np.ndarray) -> None:
+        req, slot, plan = a.req, a.slot, self.plan
+        n = int(length[0])
+        p = req.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
+        self._stopsets[slot] = frozenset(stops)
+        self._stops[slot] = -1
+        self._stops[slot, :len(stops)] = sorted(stops)
+        retrieve = bool(plan.diffspec and self.spec.diffspec_retrieve_after_prefill and not self._ctl.fits(n - 1))
+        self._shape.reset(slot, n)
+        depth = floor = plan.k
+        if plan.adaptive_depth:
+            depth, floor = self._shape.depth[slot].depth, self._shape.depth[slot].floor
+        if self._ctl is not None:
+            self._ctl.reset(slot)
+        self._host_len[slot] = n
+        self._state, self._loop, first, anchors = self._progs.start(
+            self.clock, self.tparams, self.dparams, self._state, self._loop, a.acc, np.int32(slot), length,
+            np.int32(p.max_tokens), self._stops[slot].copy(), np.bool_(retrieve), np.int32(depth), np.int32(floor))
+        req.phase = "decode"
+        self._pending.append(("start", req, slot, first, anchors, retrieve))
+
+    # decoding -------------------------------------------------------------------------------------------
+    def _dispatch_block(self) -> None:
+        caps, budget = self._shape.block_inputs(np.arange(self.num_slots))
+        owners = [r if r is not None and r.phase == "decode" else None for r in self.slots]
+        self._state, self._loop, res = self._block(self.clock, self.tparams, self.dparams, self._state, self._loop,
+                                                   self._stops.copy(), caps, budget)
+        self._in_flight += 1
+        self._bump("blocks", 1)
+        self._pending.append(("block", res, owners))
+
+    def _read_one(self) -> None:
+        item = self._pending.popleft()
+        if item[0] == "start":
+            _, req, slot, first, anchors, retrieve = item
+            first, anchors = jax.device_get((first, anchors))
+            self._started(req, slot, int(first), anchors, retrieve)
+        else:
+            _, res, owners = item
+            self._in_flight -= 1
+            self._read_block(jax.device_get(res), owners)
+
+    def _current(self, req: Request | None, slot: int) -> bool:
+        return req is not None and not req.finished and self.slots[slot] is req
+
+    def _started(self, req: Request, slot: int, first: int, anchors: np.ndarray, retrieve: bool) -> None:
+        if not self._current(req, slot):
+            return
+        if self._ctl is not None:
+            if retrieve:
+                self._ctl.record(slot, anchors, len(req.prompt_ids) - 1, 0.0, True)
+                self._bump("retrievals", 1)
+            elif not self.spec.diffspec_retrieve_after_prefill:
+                self._ctl.skip_prefill(slot)
+        req.first_token_at = time.monotonic()
+        self._bump("prompt_tokens", len(req.prompt_ids))
+        self._deliver(req, [first])
+        if self._current(req, slot):
+            if first in self._stopsets[slot]:
+                self._finish(req, "stop", release=False)
+            elif req.params.max_tokens <= 1:
+                self._finish(req, "length", release=False)
+
+    def _read_block(self, res, owners: list) -> None:
+        keep = np.array([self._current(r, i) for i, r in enumerate(owners)])
+        if res.record is not None:
+            rec = res.record.replace(live=res.record.live & keep[None, :])
+            _replay(rec, int(res.steps), np.arange(self.num_slots), self._host_len, self._shape, self._ctl, 0.0)
+            if rec.due is not None:
+                self._bump("retrievals", int((rec.due & rec.live).sum()))
+        for r in np.nonzero(keep)[0]:
+            req = owners[r]
+            req.cycles += int(res.cycles[r])
+            req.accepted += int(res.accepted[r])
+            self._bump("cycles", int(res.cycles[r]))
+            self._bump("accepted", int(res.accepted[r]))
+            toks = res.tokens[r, :int(res.new[r])].tolist()
+            self._deliver(req, toks)
+            if self._current(req, r) and bool(res.done[r]):
+                stopped = bool(toks) and toks[-1] in self._stopsets[r]
+                self._finish(req, "stop" if stopped else "length", release=False)
+
+    def _deliver(self, req: Request, toks: list[int]) -> None:
+        """Hand new tokens to the request: its output processor (stop strings) and its sink. A failure here fails
+        this request only."""
+        if not toks:
+            return
+        try:
+            text, cut = None, None
+            if req.output is not None:  # token by token, so a stop string ends the request at its last token
+                body = toks[:-1] if toks[-1] in self._stopsets[req.slot] else toks  # a stop id is not text
+                pieces = []
+                for i, t in enumerate(body):
+                    pieces.append(req.output.push([t])[0])
+                    if req.output.stopped:
+                        cut = i
+                        break
+                text = "".join(pieces)
+            if cut is not None:
+                toks = toks[:cut + 1]
+            req.tokens.extend(toks)
+            with self._lock:
+                self.counters["generation_tokens"] += len(toks)
+                self._rate.append((time.monotonic(), len(toks)))
+            req.sink(Event("tokens", token_ids=toks, text=text))
+            if cut is not None:
+                self._finish(req, "stop", release=True)
+        except Exception as exc:  # noqa: BLE001  (any failure of this request's processing)
+            self._fail(req, 500, f"processing the request's output failed: {type(exc).__name__}: {exc}",
+                       "internal_error")
+
+    # leaving ----------------------------------------------------------------------------------------------
+    def _leave(self, req: Request, release: bool) -> None:
+        """Take ``req`` out of the queue or its slot (``release``: mark the slot done on the device)."""
+        req.finished = True
+        if req.slot is None:
+            if req in self._waiting:
+                self._waiting.remove(req)
+                with self._lock:
+                    self._queued = max(0, self._queued - 1)
+            return
+        slot = req.slot
+        if self.slots[slot] is req:
+            if self._admitting is not None and self._admitting.req is req:
+                self._admitting = None
+            elif release and req.phase == "decode" and self.error is None:
+                self._loop = self._progs.release(self.clock, self._loop, np.int32(slot))
+            self.slots[slot] = None
+
+    def _finish(self, req: Request, reason: str, release: bool) -> None:
+        if req.finished:
+            return
+        self._leave(req, release)
+        req.finish_reason = reason
+        self._bump(f"finished_{reason}")
+        try:
+            tail = req.output.finish()[0] if req.output is not None and reason != "abort" else None
+            if tail:
+                req.sink(Event("tokens", text=tail))
+            req.sink(Event("finish", finish_reason=reason, prompt_tokens=len(req.prompt_ids),
+                           completion_tokens=len(req.tokens)))
+        except Exception:  # noqa: BLE001  (a broken sink must not stop the engine)
+            self._bump("sink_errors", 1)
+
+    def _fail(self, req: Request, status: int, message: str, error_type: str) -> None:
+        if req.finished:
+            return
+        self._leave(req, release=True)
+        req.finish_reason = "error"
+        self._bump("failed", 1)
+        try:
+            req.sink(Event("error", status=status, message=message, error_type=error_type,
+                           prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.tokens)))
+        except Exception:  # noqa: BLE001
+            self._bump("sink_errors", 1)
