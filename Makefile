@@ -20,7 +20,7 @@ install: $(PY)
 
 install-test: $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,serve]"
 
 test: install-test
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)

@@ -111,28 +111,36 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
     return list(tok(text, add_special_tokens=True)["input_ids"])
 
 
-def build_parser() -> ArgumentParser:
-    """The CLI's parser: usage errors are one line on stderr and exit status 2."""
-    ap = ArgumentParser(prog="python -m diffspec_jax.generate", description=__doc__.split("\n")[0])
+def add_model_arguments(ap) -> None:
+    """``--target``, ``--draft``, ``--no-draft`` and ``--dtype`` (shared by the command-line tools that decode:
+    this one and ``python -m diffspec_jax.serve``); :func:`model_dirs` reads them."""
     ap.add_argument("--target", help="Hugging Face or Orbax target directory (default: the embedded pair)")
     ap.add_argument("--draft", help="EAGLE-3 draft directory (default: the embedded pair's draft, if no --target)")
     ap.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
-    src = ap.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file holding the prompt text (- reads standard input)")
-    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtype", default="auto",
+                    help="auto | bfloat16 | float32. auto: float32 on the CPU, bfloat16 on accelerators (XLA:CPU "
+                         "widens bfloat16 products to float32 with a conversion pass over the KV cache per step, "
+                         "which made bfloat16 decoding of the demo pair 3x slower than float32 on a 2-core CPU)")
+
+
+def model_dirs(args) -> tuple[Path, Path | None, bool]:
+    """``(target_dir, draft_dir or None, embedded)`` from :func:`add_model_arguments`' options (no ``--target``:
+    the embedded demo pair)."""
+    embedded = args.target is None
+    if embedded and args.draft is not None:
+        raise ConfigError("--draft needs --target (the draft is bound to its target); without --target the "
+                          "embedded demo pair runs, which brings its own draft")
+    if embedded:
+        target_dir, draft_dir = default_pair()
+    else:
+        target_dir, draft_dir = Path(args.target), Path(args.draft) if args.draft else None
+    return target_dir, None if args.no_draft else draft_dir, embedded
+
+
+def add_spec_arguments(ap) -> None:
+    """The speculative-decoding options (shared with ``python -m diffspec_jax.serve``); :func:`spec_from_args`
+    reads them."""
     ap.add_argument("--num-speculative-tokens", "-k", type=int, default=SpecConfig.num_speculative_tokens)
-    ap.add_argument("--temperature", type=float, default=None,
-                    help="0 = greedy (default: the target's generation_config.json; greedy without one)")
-    ap.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json)")
-    ap.add_argument("--top-p", type=float, default=None, help="1 = off (default: generation_config.json)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stop", action="append", default=None, metavar="STR",
-                    help="stop at this text (repeatable; needs a tokenizer): the output ends before it")
-    ap.add_argument("--keep-special-tokens", action="store_true",
-                    help="print special tokens (EOS, chat markers) in the text (default: left out)")
     ap.add_argument("--policy", default=None,
                     help="full | recent | diffspec. Default diffspec: it equals full while the context fits "
                          "--token-budget, and beyond it keeps a draft trained on short windows accepting where full "
@@ -153,12 +161,41 @@ def build_parser() -> ArgumentParser:
                     help="tree mode: stop expanding once a level adds less draft probability mass than this")
     ap.add_argument("--adaptive", action="store_true",
                     help="adapt per sequence: retrieval interval, chain depth (chain mode), node budget (tree mode)")
+
+
+def spec_from_args(args, draft_tp: int | None = None) -> SpecConfig:
+    """The :class:`SpecConfig` of :func:`add_spec_arguments`' options (``--policy`` defaults to ``diffspec``)."""
+    return SpecConfig(num_speculative_tokens=args.num_speculative_tokens,
+                      draft_context_policy=args.policy or "diffspec", diffspec_chunk_size=args.chunk_size,
+                      diffspec_token_budget=args.token_budget, diffspec_retrieval_interval=args.retrieval_interval,
+                      diffspec_verification_mode=args.verification_mode,
+                      diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,
+                      diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
+                      diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=draft_tp)
+
+
+def build_parser() -> ArgumentParser:
+    """The CLI's parser: usage errors are one line on stderr and exit status 2."""
+    ap = ArgumentParser(prog="python -m diffspec_jax.generate", description=__doc__.split("\n")[0])
+    add_model_arguments(ap)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file holding the prompt text (- reads standard input)")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="0 = greedy (default: the target's generation_config.json; greedy without one)")
+    ap.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json)")
+    ap.add_argument("--top-p", type=float, default=None, help="1 = off (default: generation_config.json)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stop", action="append", default=None, metavar="STR",
+                    help="stop at this text (repeatable; needs a tokenizer): the output ends before it")
+    ap.add_argument("--keep-special-tokens", action="store_true",
+                    help="print special tokens (EOS, chat markers) in the text (default: left out)")
+    add_spec_arguments(ap)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices on the mesh's tp axis)")
     ap.add_argument("--draft-tp", type=int, default=None, help="draft tensor-parallel size: 1 (replicated) or --tp")
-    ap.add_argument("--dtype", default="auto",
-                    help="auto | bfloat16 | float32. auto: float32 on the CPU, bfloat16 on accelerators (XLA:CPU "
-                         "widens bfloat16 products to float32 with a conversion pass over the KV cache per step, "
-                         "which made bfloat16 decoding of the demo pair 3x slower than float32 on a 2-core CPU)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ap.add_argument("--compare", action="store_true", help="also run target-only decoding and report the speedup")
     ap.add_argument("--json", action="store_true",
@@ -186,25 +223,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--tp must be a positive integer (devices on the tensor-parallel axis), got {args.tp}")
         if args.draft_tp is not None and args.draft_tp < 1:
             raise ConfigError(f"--draft-tp must be 1 (replicated draft) or --tp, got {args.draft_tp}")
-        embedded = args.target is None
-        if embedded and args.draft is not None:
-            raise ConfigError("--draft needs --target (the draft is bound to its target); without --target the "
-                              "embedded demo pair runs, which brings its own draft")
+        target_dir, draft_dir, embedded = model_dirs(args)
         if embedded:
-            target_dir, draft_dir = default_pair()
             args.compare = args.compare or not args.no_draft  # the demo reports its speedup, measured here
-        else:
-            target_dir, draft_dir = Path(args.target), Path(args.draft) if args.draft else None
-        if args.no_draft:
-            draft_dir = None
-        policy = args.policy or "diffspec"
-        spec = SpecConfig(num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=policy,
-                          diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
-                          diffspec_retrieval_interval=args.retrieval_interval,
-                          diffspec_verification_mode=args.verification_mode,
-                          diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,
-                          diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
-                          diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=args.draft_tp)
+        spec = spec_from_args(args, args.draft_tp)
+        policy = spec.draft_context_policy
         target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype))
         sampling, gen_defaults = _sampling(args, target_dir)
         draft = load_draft(draft_dir, target) if draft_dir is not None else None

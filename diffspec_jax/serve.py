@@ -1,0 +1,99 @@
+"""``python -m diffspec_jax.serve``: an OpenAI-compatible server with continuous batching and speculative decoding.
+
+Examples::
+
+    python -m diffspec_jax.serve                                      # the embedded demo pair on 127.0.0.1:8000
+    python -m diffspec_jax.serve --target T --draft D --max-num-seqs 8 --max-model-len 65536 --policy diffspec
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "def main():", "max_tokens": 32, "temperature": 0}'
+
+The server binds to ``--host`` (default 127.0.0.1, this machine only; pass ``--host 0.0.0.0`` to serve others,
+ideally with ``--api-key``). It loads the models, compiles every program (the warm-up) and then listens; see
+docs/serving.md for the endpoints, the metrics and the design.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from diffspec_jax.errors import ConfigError, DiffspecError
+from diffspec_jax.generate import (_tokenizer, add_model_arguments, add_spec_arguments, model_dirs, resolve_dtype_arg,
+                                   spec_from_args)
+from diffspec_jax.validation import ArgumentParser, check_int, read_text, report_error
+
+
+def build_parser() -> ArgumentParser:
+    """The server's options: the model and speculative options of ``python -m diffspec_jax.generate`` (same
+    names) and the server's own."""
+    ap = ArgumentParser(prog="python -m diffspec_jax.serve", description=__doc__.split("\n")[0])
+    add_model_arguments(ap)
+    add_spec_arguments(ap)
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="request slots decoded together (default 8)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="most tokens (prompt + generated) per request; sets the cache capacity (default: the "
+                         "target's context window, at most 4096)")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    ap.add_argument("--served-model-name", default=None,
+                    help="the model name of /v1/models and of requests (default: the target directory's name)")
+    ap.add_argument("--chat-template", default=None,
+                    help="a file holding a Jinja chat template (default: the tokenizer's own)")
+    ap.add_argument("--max-waiting", type=int, default=256,
+                    help="requests waiting for a slot beyond which the server answers 503 (default 256)")
+    ap.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds a request may run before it is ended with 504 (default 600)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prompt tokens per prefill chunk, one fixed width (default 512 on CPUs, 2048 on GPUs)")
+    ap.add_argument("--block-cycles", type=int, default=None, help="decode cycles per device block (default 16)")
+    ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_int(args.port, "--port", min=0, max=65535)
+        target_dir, draft_dir, embedded = model_dirs(args)
+        spec = spec_from_args(args)
+        from diffspec_jax.serving.scheduler import EngineConfig
+
+        config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                              prefill_chunk=args.prefill_chunk, block_cycles=args.block_cycles,
+                              max_waiting=args.max_waiting, request_timeout=args.request_timeout)
+        template = read_text(args.chat_template, "chat template", error=ConfigError) if args.chat_template else None
+        try:
+            import uvicorn
+
+            from diffspec_jax.serving.app import create_app
+        except ImportError as exc:
+            raise ConfigError(f"the server needs the serve extra ({exc.name} is missing): pip install "
+                              f"'diffspec-jax[serve]'") from None
+        from diffspec_jax.draft import load_draft
+        from diffspec_jax.serving.scheduler import SlotEngine
+        from diffspec_jax.stopping import generation_defaults
+        from diffspec_jax.target import load_target
+
+        tok = _tokenizer(target_dir)
+        if tok is None:
+            raise ConfigError(f"{target_dir} has no tokenizer (tokenizer.json / tokenizer_config.json): the server "
+                              f"needs one for prompts and text")
+        target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype))
+        draft = load_draft(draft_dir, target) if draft_dir is not None else None
+        engine = SlotEngine(target, draft, spec, config)
+        name = args.served_model_name or ("diffspec-demo" if embedded else target_dir.resolve().name)
+        app = create_app(engine, tok, model_name=name, api_key=args.api_key, chat_template=template,
+                         sampling_defaults=generation_defaults(target_dir))
+        print(f"[diffspec-serve] {name}: {engine.num_slots} slots x {engine.max_model_len} tokens (cache capacity "
+              f"{engine.capacity}), policy {engine.policy}; compiling...", file=sys.stderr, flush=True)
+        engine.start()
+        print(f"[diffspec-serve] compiled {engine.compiles} programs in {engine.clock.seconds:.1f} s; listening on "
+              f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    except (DiffspecError, OSError) as exc:
+        return report_error(exc)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

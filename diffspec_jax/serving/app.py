@@ -1,0 +1,326 @@
+"""The ASGI application (FastAPI): the OpenAI endpoints over a running :class:`SlotEngine`.
+
+* ``POST /v1/completions``, ``POST /v1/chat/completions`` (the tokenizer's chat template, or ``chat_template``):
+  JSON, or server-sent events with ``stream: true`` (``data: {chunk}`` lines, then ``data: [DONE]``;
+  ``stream_options.include_usage`` adds a last chunk with the usage);
+* ``GET /v1/models``, ``GET /health`` (200 while the engine runs, else 503), ``GET /metrics`` (Prometheus text).
+
+The engine runs in its own thread; each request reaches it through :meth:`SlotEngine.submit` and its events come
+back through an ``asyncio.Queue`` (``loop.call_soon_threadsafe``). Text is detokenized and cut at stop strings on
+the engine thread (:class:`diffspec_jax.stopping.SequenceText`). Errors are OpenAI error bodies: 400 for invalid
+requests (validation, unsupported keys, prompt + ``max_tokens`` beyond ``max_model_len``), 401 without the API
+key, 404 for another model name, 503 with ``Retry-After`` when the waiting queue is full, 504 past the request
+timeout. A client that disconnects (or closes its stream) aborts its request, which frees its slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from diffspec_jax.errors import InputError
+from diffspec_jax.serving import protocol as P
+from diffspec_jax.serving.scheduler import EngineStopped, Event, QueueFull, SamplingParams, SlotEngine
+from diffspec_jax.serving.scheduler import Request as EngineRequest
+from diffspec_jax.stopping import SequenceText
+
+#: ``max_tokens`` of a completion that does not set it (the OpenAI default)
+DEFAULT_COMPLETION_TOKENS = 16
+#: seconds between checks that a non-streaming client is still connected
+DISCONNECT_POLL_S = 0.5
+#: ``Retry-After`` of a 503 (seconds)
+RETRY_AFTER_S = 1
+
+
+def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str | None = None,
+               chat_template: str | None = None, sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
+    """The application serving ``engine`` (started; stopped when the application shuts down).
+
+    Args:
+        tokenizer: the target's transformers tokenizer (prompts, chat template, detokenization).
+        model_name: the name ``/v1/models`` lists and requests must use (or leave out).
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        chat_template: a Jinja chat template used instead of the tokenizer's.
+        sampling_defaults: ``temperature`` / ``top_k`` / ``top_p`` for requests that leave them out (e.g.
+            :func:`diffspec_jax.stopping.generation_defaults`); otherwise the OpenAI defaults (temperature 1,
+            top_p 1, no top-k).
+    """
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(sampling_defaults or {})}
+    stats = {"http_errors": {}}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await run_in_threadpool(engine.stop)
+
+    app = FastAPI(title="diffspec-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    def answer_error(err: P.APIError) -> JSONResponse:
+        stats["http_errors"][err.status] = stats["http_errors"].get(err.status, 0) + 1
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(_request, exc: P.APIError):
+        return answer_error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
+                            for e in errors[:5])
+        return answer_error(P.APIError(400, f"invalid request: {message}", param=".".join(loc) or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        return answer_error(P.APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request, exc: Exception):
+        return answer_error(P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return answer_error(P.APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                               code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        m = engine.metrics()
+        if not m["healthy"]:
+            return JSONResponse({"status": "unavailable", "error": str(engine.error) if engine.error else None},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": P.now(),
+                                            "owned_by": "diffspec-jax", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine.metrics(), stats["http_errors"]),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise P.APIError(404, f"the model {name!r} does not exist here (this server serves {model_name!r})",
+                             param="model", code="model_not_found")
+
+    def sampling(body: P._SamplingRequest, max_tokens: int) -> SamplingParams:
+        pick = lambda key: getattr(body, key) if getattr(body, key) is not None else defaults[key]  # noqa: E731
+        top_k = pick("top_k")
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"),
+                                  top_k=0 if top_k == -1 else top_k, seed=body.seed,
+                                  stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos)
+        except InputError as exc:
+            raise P.input_error(exc) from None
+
+    def encode(prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return list(prompt)
+
+    def render_chat(body: P.ChatCompletionRequest) -> list[int]:
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise P.APIError(400, f"the model {model_name!r} has no chat template (start the server with "
+                                  f"--chat-template FILE), so /v1/chat/completions cannot render messages; use "
+                                  f"/v1/completions", param="messages")
+        try:
+            ids = tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=True,
+                                                chat_template=template)
+        except Exception as exc:  # noqa: BLE001  (jinja errors, raise_exception in templates)
+            raise P.APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+        if hasattr(ids, "keys"):  # transformers v5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def limit(prompt_len: int, requested: int | None, default: int | None) -> int:
+        if requested is not None:
+            return requested
+        if default is not None:
+            return default
+        return max(1, engine.max_model_len - prompt_len)
+
+    async def submit(request: Request, ids: list[int], params: SamplingParams, stops: list[str], param: str):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        output = SequenceText(tokenizer, stops)
+        req = EngineRequest(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), output)
+        try:
+            engine.submit(req)
+        except QueueFull as exc:
+            raise P.APIError(503, str(exc), "server_overloaded", code="queue_full",
+                             headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineStopped as exc:
+            raise P.APIError(503, str(exc), "server_unavailable", code="engine_stopped") from None
+        except InputError as exc:
+            raise P.input_error(exc, param) from None
+        return req, events
+
+    async def collect(request: Request, req: EngineRequest, events: asyncio.Queue) -> tuple[str, Event]:
+        """Wait for the whole answer; a client that goes away aborts its request."""
+        texts = []
+        while True:
+            try:
+                ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    engine.abort(req.id)
+                    raise P.APIError(499, "the client closed the connection", code="client_closed") from None
+                continue
+            if ev.kind == "tokens":
+                texts.append(ev.text or "")
+            elif ev.kind == "error":
+                raise P.APIError(ev.status or 500, ev.message or "failed", ev.error_type or "internal_error")
+            else:
+                return "".join(texts), ev
+
+    async def stream(req: EngineRequest, events: asyncio.Queue, chunk, include_usage: bool,
+                     first: dict | None) -> AsyncIterator[str]:
+        finished = False
+        try:
+            if first is not None:
+                yield _sse(first)
+            while True:
+                ev = await events.get()
+                if ev.kind == "tokens":
+                    if ev.text:
+                        yield _sse(chunk(ev.text, None))
+                elif ev.kind == "error":
+                    finished = True
+                    yield _sse(P.error_body(ev.message or "failed", ev.error_type or "internal_error"))
+                    yield "data: [DONE]\n\n"
+                    return
+                else:
+                    finished = True
+                    yield _sse(chunk(None, ev.finish_reason if ev.finish_reason in ("stop", "length") else None))
+                    if include_usage:
+                        usage = P.Usage.of(ev.prompt_tokens, ev.completion_tokens).model_dump()
+                        yield _sse({**chunk(None, None), "choices": [], "usage": usage})
+                    yield "data: [DONE]\n\n"
+                    return
+        finally:
+            if not finished:  # the client went away (or the server stops): free the slot
+                engine.abort(req.id)
+
+    @app.post("/v1/completions")
+    async def completions(body: P.CompletionRequest, request: Request):
+        body.check_supported()
+        check_model(body.model)
+        prompt = body.single_prompt()
+        ids = await run_in_threadpool(encode, prompt)
+        params = sampling(body, limit(len(ids), body.max_tokens, DEFAULT_COMPLETION_TOKENS))
+        req, events = await submit(request, ids, params, body.stop_strings(), "prompt")
+        rid, created = P.new_id("cmpl"), P.now()
+        if body.stream:
+            def chunk(text, reason):
+                return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                        "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+
+            return StreamingResponse(stream(req, events, chunk, body.include_usage, None),
+                                     media_type="text/event-stream")
+        text, ev = await collect(request, req, events)
+        return P.CompletionResponse(id=rid, created=created, model=model_name,
+                                    choices=[P.CompletionChoice(text=text, finish_reason=ev.finish_reason)],
+                                    usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        body.check_supported()
+        check_model(body.model)
+        ids = await run_in_threadpool(render_chat, body)
+        params = sampling(body, limit(len(ids), body.token_limit(), None))
+        req, events = await submit(request, ids, params, body.stop_strings(), "messages")
+        rid, created = P.new_id("chatcmpl"), P.now()
+        if body.stream:
+            def chunk(text, reason, role=None):
+                delta = P.ChatDelta(role=role, content=text).model_dump(exclude_none=True)
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+            return StreamingResponse(stream(req, events, chunk, body.include_usage, chunk("", None, "assistant")),
+                                     media_type="text/event-stream")
+        text, ev = await collect(request, req, events)
+        return P.ChatCompletionResponse(id=rid, created=created, model=model_name,
+                                        choices=[P.ChatChoice(message=P.ChatMessageOut(content=text),
+                                                              finish_reason=ev.finish_reason)],
+                                        usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens))
+
+    return app
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def prometheus_text(m: dict[str, Any], http_errors: dict[int, int]) -> str:
+    """The engine's metrics (:meth:`SlotEngine.metrics`) in the Prometheus text format."""
+    def gauge(name, doc, value, labels=None):
+        g = GaugeMetricFamily(f"diffspec_{name}", doc, labels=list(labels or {}))
+        g.add_metric(list((labels or {}).values()), float(value))
+        return g
+
+    def counter(name, doc, value, labels=None):
+        c = CounterMetricFamily(f"diffspec_{name}", doc, labels=list(labels or {}))
+        c.add_metric(list((labels or {}).values()), float(value))
+        return c
+
+    t = lambda key: m.get(f"total_{key}", 0)  # noqa: E731
+    policy = {"policy": m["policy"]}
+    families = [
+        gauge("requests_running", "requests holding a slot (prefilling or decoding)", m["requests_running"]),
+        gauge("requests_waiting", "requests waiting for a slot", m["requests_waiting"]),
+        gauge("cache_slots_used", "cache slots in use", m["slots_used"]),
+        gauge("cache_slots_total", "cache slots (max_num_seqs)", m["slots_total"]),
+        gauge("generation_tokens_per_second", "generated tokens per second over the last 10 s", m["tokens_per_s"]),
+        gauge("mean_acceptance_length", "tokens emitted per verification (accepted drafts + 1), since start",
+              m["mean_acceptance_length"] or 0.0, policy),
+        counter("prompt_tokens", "prompt tokens prefilled", t("prompt_tokens")),
+        counter("generation_tokens", "tokens generated", t("generation_tokens")),
+        counter("verification_cycles", "verifications (one per running request and cycle)", t("cycles"), policy),
+        counter("accepted_draft_tokens", "accepted draft tokens", t("accepted"), policy),
+        counter("retrievals", "DiffSpec retrievals (after prefill and during decoding)", t("retrievals"), policy),
+        counter("device_blocks", "device-loop blocks dispatched", t("blocks")),
+        counter("request_timeouts", "requests ended by the request timeout", t("timeouts")),
+        counter("program_compiles", "engine programs compiled (warm-up included)", m["compiles"]),
+        counter("xla_compiles", "XLA compilations in this process (warm-up included)", m["xla_compiles"]),
+        counter("compile_seconds", "seconds spent compiling engine programs", m["compile_s"]),
+        gauge("compiles_after_warmup", "engine programs compiled after warm-up (0 when nothing recompiles)",
+              m["compiles_after_warmup"]),
+        gauge("xla_compiles_after_warmup", "XLA compilations after warm-up", m["xla_compiles_after_warmup"]),
+        gauge("engine_healthy", "1 while the engine runs", 1.0 if m["healthy"] else 0.0),
+    ]
+    finished = CounterMetricFamily("diffspec_requests_finished", "finished requests by finish reason",
+                                   labels=["finish_reason"])
+    for reason in ("stop", "length", "abort"):
+        finished.add_metric([reason], float(t(f"finished_{reason}")))
+    finished.add_metric(["error"], float(t("failed")))
+    rejected = CounterMetricFamily("diffspec_http_errors", "error responses by HTTP status", labels=["status"])
+    for status, n in sorted(http_errors.items()):
+        rejected.add_metric([str(status)], float(n))
+    families += [finished, rejected]
+
+    class _Snapshot:
+        def collect(self):
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot())
+    return generate_latest(registry).decode()

@@ -1,0 +1,266 @@
+"""The OpenAI API's request and response bodies (pydantic models) and its error body.
+
+Requests follow the OpenAI completions and chat completions APIs, plus the sampling keys vLLM adds (``top_k``,
+``stop_token_ids``, ``ignore_eos``). Fields this server does not implement (``logprobs``, ``echo``, ``suffix``,
+penalties, ``n`` other than 1, ...) are refused with HTTP 400 when set to anything but their neutral value; keys
+it does not know are ignored, as the OpenAI API ignores them. Types are strict (``"0.5"`` is not a number,
+``true`` is not an integer).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from diffspec_jax.errors import InputError
+
+#: stop strings per request (OpenAI allows 4)
+MAX_STOP_STRINGS = 16
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """The OpenAI error body ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """An error answered with ``status`` and an OpenAI error body (``headers`` added to the response)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """The keys completions and chat completions share."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        """:class:`APIError` (400) for keys set to something this server does not do."""
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: this server returns one choice per request (n=1)",
+                           param="n")
+        for key in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, key) not in (None, 0, 0.0):
+                raise APIError(400, f"{key} is not supported (leave it unset or 0)", param=key)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        stops = self.stop_strings()
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
+        if any(not s for s in stops):
+            raise APIError(400, "stop strings must not be empty", param="stop")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options needs stream=true", param="stream_options")
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``: ``prompt`` is text or token ids (one prompt per request)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs is not supported", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported (only 1)", param="best_of")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (a list of one text or one id list counts as it)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, f"one prompt per request, got a batch of {len(p)} (send them as separate "
+                                    f"requests: they are batched on the server)", param="prompt")
+            p = p[0]
+        if len(p) == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return p
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str | None:
+        """The message's text (text parts joined; other part types are refused)."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"message content parts of type {part.type!r} are not supported (text only)",
+                               param="messages")
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``: ``messages`` rendered by the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs is not supported", param="logprobs")
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def chat(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them."""
+        out = []
+        for m in self.messages:
+            d = {"role": m.role, "content": m.text() or ""}
+            if m.name:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+def new_id(prefix: str) -> str:
+    """A response id such as ``cmpl-<hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def input_error(exc: InputError, param: str | None = None) -> APIError:
+    """A library :class:`InputError` as a 400 (``context_length_exceeded`` for a request too long)."""
+    message = str(exc)
+    code = "context_length_exceeded" if "maximum context length" in message else None
+    return APIError(400, message, param=param, code=code)
