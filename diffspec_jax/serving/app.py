@@ -20,7 +20,7 @@ import contextlib
 import json
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
@@ -90,13 +90,13 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
     async def _internal_error(_request, exc: Exception):
         return answer_error(P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error"))
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return answer_error(P.APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                               code="invalid_api_key"))
-        return await call_next(request)
+    async def authorized(request: Request) -> None:
+        """The ``/v1/*`` routes' dependency: the bearer token, when the server has an API key."""
+        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+            raise P.APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                             code="invalid_api_key")
+
+    v1 = [Depends(authorized)]
 
     @app.get("/health")
     async def health():
@@ -106,7 +106,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
                                 status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": P.now(),
                                             "owned_by": "diffspec-jax", "max_model_len": engine.max_model_len}]}
@@ -189,7 +189,8 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
                 texts.append(ev.text or "")
             elif ev.kind == "error":
                 raise P.APIError(ev.status or 500, ev.message or "failed", ev.error_type or "internal_error")
-            else:
+            else:  # "abort" (the server is stopping) is no OpenAI finish reason
+                ev.finish_reason = ev.finish_reason if ev.finish_reason in ("stop", "length") else None
                 return "".join(texts), ev
 
     async def stream(req: EngineRequest, events: asyncio.Queue, chunk, include_usage: bool,
@@ -220,7 +221,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
             if not finished:  # the client went away (or the server stops): free the slot
                 engine.abort(req.id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(body: P.CompletionRequest, request: Request):
         body.check_supported()
         check_model(body.model)
@@ -241,7 +242,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
                                     choices=[P.CompletionChoice(text=text, finish_reason=ev.finish_reason)],
                                     usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
         body.check_supported()
         check_model(body.model)

@@ -78,7 +78,8 @@ class EngineConfig:
         prefill_chunk: prompt tokens per prefill chunk, one fixed width [512 on CPUs, :data:`GPU_PREFILL_CHUNK` on
             GPUs; at most the capacity].
         block_cycles: decode cycles per device block [16; 1 for tree mode with host-shaped trees].
-        max_waiting: requests waiting for a slot beyond which :meth:`SlotEngine.submit` refuses [256].
+        max_waiting: requests waiting for a slot (beyond those the free slots take) at which
+            :meth:`SlotEngine.submit` refuses more [256].
         request_timeout: seconds a request may take from submission to its last token (``None``: no limit)
             [600].
     """
@@ -165,10 +166,11 @@ class Event:
 
 class Request:
     """A request in the engine: prompt ids, :class:`SamplingParams`, ``sink(Event)`` (called on the engine
-    thread) and an optional :class:`OutputProcessor`."""
+    thread), an optional :class:`OutputProcessor` and ``timeout`` (seconds from submission; default the engine's
+    ``request_timeout``)."""
 
     def __init__(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Callable[[Event], None],
-                 output: OutputProcessor | None = None, request_id: str | None = None):
+                 output: OutputProcessor | None = None, request_id: str | None = None, timeout: float | None = None):
         self.id = request_id or uuid.uuid4().hex
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.params = params
@@ -176,6 +178,7 @@ class Request:
         self.output = output
         self.seed = params.seed % 2 ** 64 if params.seed is not None else secrets.randbits(64)
         self.arrival = time.monotonic()
+        self.timeout = check_real(timeout, "timeout", min=0.0, min_open=True, none_ok=True, error=InputError)
         self.deadline: float | None = None
         self.tokens: list[int] = []
         self.finished = False
@@ -258,9 +261,11 @@ class SlotEngine:
         self._admitting: _Admission | None = None
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet admitted or dropped (inbox + waiting)
+        self._free = b  # slots without a request
         self._rate: collections.deque = collections.deque()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._listening = False
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.xla_compiles = 0
@@ -283,6 +288,7 @@ class SlotEngine:
         """Create the slots, compile every program (``warmup``: by running one throw-away request through
         them) and start the engine thread. Returns ``self``."""
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        self._listening = True
         self._state, self._loop = self._init(self.clock)
         if warmup:
             self._warmup()
@@ -298,7 +304,9 @@ class SlotEngine:
         self._inbox.put(("wake", None))
         if self._thread is not None:
             self._thread.join(timeout)
-        jax.monitoring.unregister_event_duration_listener(self._on_event)
+        if self._listening:
+            jax.monitoring.unregister_event_duration_listener(self._on_event)
+            self._listening = False
 
     def submit(self, req: Request) -> None:
         """Queue ``req`` (thread-safe). Raises :class:`InputError` for a request that cannot run here,
@@ -313,13 +321,15 @@ class SlotEngine:
         if self.error is not None or self._stopping or not self.ready.is_set():
             raise EngineStopped("the engine is not running" + (f" (it failed: {self.error})" if self.error else ""))
         with self._lock:
-            if self._queued >= self.config.max_waiting:
+            waiting = self._queued - self._free  # what the free slots cannot take
+            if waiting >= self.config.max_waiting:
                 self.counters["rejected_queue_full"] += 1
-                raise QueueFull(f"{self._queued} requests are waiting (max_waiting={self.config.max_waiting}); "
-                                f"retry later")
+                raise QueueFull(f"{waiting} requests are waiting for a slot (max_waiting="
+                                f"{self.config.max_waiting}); retry later")
             self._queued += 1
-        if self.config.request_timeout is not None:
-            req.deadline = req.arrival + self.config.request_timeout
+        timeout = req.timeout if req.timeout is not None else self.config.request_timeout
+        if timeout is not None:
+            req.deadline = req.arrival + timeout
         self._inbox.put(("submit", req))
 
     def check_request(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -348,6 +358,7 @@ class SlotEngine:
             c = dict(self.counters)
             queued = self._queued
         running = sum(1 for r in self.slots if r is not None)
+        queued = max(0, queued)
         cycles = c.get("cycles", 0)
         return {"requests_running": running, "requests_waiting": queued, "slots_used": running,
                 "slots_total": self.num_slots, "tokens_per_s": recent / span if span > 0 else 0.0,
@@ -389,8 +400,9 @@ class SlotEngine:
         while self._pending:
             self._read_one()
         self.counters.clear()
-        with self._lock:
+        with self._lock:  # the warm-up requests went around submit(): every slot is free again
             self._rate.clear()
+            self._queued, self._free = 0, self.num_slots
         if self._ctl is not None:
             self._ctl = _RetrievalControl(self.spec, self.num_slots)
 
@@ -456,7 +468,7 @@ class SlotEngine:
         for req in list(self._waiting) + [r for r in self.slots if r is not None]:
             if req.deadline is not None and now > req.deadline:
                 self._bump("timeouts", 1)
-                self._fail(req, 504, f"the request ran past its timeout of {self.config.request_timeout:g} s",
+                self._fail(req, 504, f"the request ran past its timeout ({req.deadline - req.arrival:g} s)",
                            "timeout")
 
     # admission ------------------------------------------------------------------------------------------
@@ -469,7 +481,8 @@ class SlotEngine:
                 return False
             req = self._waiting.popleft()
             with self._lock:
-                self._queued = max(0, self._queued - 1)
+                self._queued -= 1
+                self._free -= 1
             slot = free[0]
             self.slots[slot], req.slot, req.phase = req, slot, "prefill"
             p = req.params
@@ -612,7 +625,7 @@ class SlotEngine:
             if req in self._waiting:
                 self._waiting.remove(req)
                 with self._lock:
-                    self._queued = max(0, self._queued - 1)
+                    self._queued -= 1
             return
         slot = req.slot
         if self.slots[slot] is req:
@@ -621,6 +634,8 @@ class SlotEngine:
             elif release and req.phase == "decode" and self.error is None:
                 self._loop = self._progs.release(self.clock, self._loop, np.int32(slot))
             self.slots[slot] = None
+            with self._lock:
+                self._free += 1
 
     def _finish(self, req: Request, reason: str, release: bool) -> None:
         if req.finished:

@@ -1,0 +1,414 @@
+"""The OpenAI-compatible server (issue 24): one real server on a free port (the embedded demo pair, 4 slots, small
+caches) talked to with the ``openai`` client and raw HTTP; its answers checked against ``generate()`` run alone on
+each request. The slot engine's failure isolation and per-row sampling are tested in process."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from diffspec_jax.config import SamplingConfig, SpecConfig  # noqa: E402
+from diffspec_jax.engine.compile import capacity_bucket  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key"
+SLOTS, MAX_LEN, CHUNK, WAITING = 4, 512, 64, 4
+#: DiffSpec with a small working cache, so prompts of a few hundred tokens retrieve
+SPEC = SpecConfig(num_speculative_tokens=4, draft_context_policy="diffspec", diffspec_token_budget=128,
+                  diffspec_chunk_size=16)
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>\n{% endif %}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pair(server_process):
+    """The demo pair in this process (float32) and its tokenizer; loaded while the server starts up."""
+    import diffspec_jax as dj
+    from diffspec_jax.generate import default_pair
+    from transformers import AutoTokenizer
+
+    t, d = default_pair()
+    target = dj.load_target(t, dtype="float32")
+    return target, dj.load_draft(d, target), AutoTokenizer.from_pretrained(t)
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    """Prompt ids of the demo prompt (Python source) at different lengths and offsets."""
+    from diffspec_jax import demo
+
+    ids = pair[2](demo.prompt_text())["input_ids"]
+    return [ids[13 * i: 13 * i + n] for i, n in enumerate((7, 33, 70, 120, 180, 250, 310, 400))]
+
+
+@pytest.fixture(scope="module")
+def server_process(tmp_path_factory):
+    """``python -m diffspec_jax.serve`` started in a child process: ``(process, url, log path)``."""
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "chat.jinja").write_text(TEMPLATE)
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", DIFFSPEC_COMPILATION_CACHE="0", XLA_FLAGS="")
+    cmd = [sys.executable, "-m", "diffspec_jax.serve", "--port", str(port), "--max-num-seqs", str(SLOTS),
+           "--max-model-len", str(MAX_LEN), "--prefill-chunk", str(CHUNK), "--policy", "diffspec",
+           "--token-budget", "128", "--chunk-size", "16", "--api-key", API_KEY, "--max-waiting", str(WAITING),
+           "--chat-template", str(tmp / "chat.jinja"), "--request-timeout", "120"]
+    log_path = tmp / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield proc, f"http://127.0.0.1:{port}", log_path
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(server_process):
+    """The server's base URL once /health answers (it answers after the warm-up compiled every program)."""
+    proc, url, log_path = server_process
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not come up: {log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _reference(pair, prompt_ids, n, **kw):
+    """generate() alone on one prompt, with the server's speculative settings."""
+    import diffspec_jax as dj
+
+    target, draft, _ = pair
+    cap = capacity_bucket(MAX_LEN + SPEC.num_speculative_tokens + 1)
+    return dj.generate(target, draft, [prompt_ids], max_new_tokens=n, spec=SPEC, max_cache_len=cap,
+                       prefill_chunk=CHUNK, **kw).tokens[0]
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(f"{server}/metrics").text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _wait_for(server, cond, timeout=60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        if cond(m) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.2)
+
+
+# ------------------------------------------------------------------------- in process (while the server starts)
+def test_engine_isolates_a_failing_request(pair, prompts):
+    """A request whose output processing raises fails alone (an error event, its slot freed), so does one past its
+    timeout; the others finish with generate()'s tokens and the engine keeps running."""
+    from diffspec_jax.serving.scheduler import EngineConfig, Request, SamplingParams, SlotEngine
+
+    class Broken:
+        stopped = False
+
+        def push(self, ids):
+            raise ValueError("broken detokenizer")
+
+        def finish(self):
+            return "", []
+
+    target, draft, _ = pair
+    engine = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk=CHUNK))
+    engine.start()
+    try:
+        events = [[] for _ in range(4)]
+        reqs = [Request(p, SamplingParams(max_tokens=10, ignore_eos=True), events[j].append,
+                        output=Broken() if j == 1 else None, timeout=0.01 if j == 3 else None)
+                for j, p in enumerate((prompts[2], prompts[1], prompts[5], prompts[3]))]
+        for r in reqs:
+            engine.submit(r)
+        deadline = time.monotonic() + 120
+        while not all(r.finished for r in reqs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert events[1][-1].kind == "error" and events[1][-1].status == 500
+        assert events[3][-1].kind == "error" and events[3][-1].status == 504  # past its timeout
+        for j in (0, 2):
+            assert events[j][-1].kind == "finish" and events[j][-1].finish_reason == "length"
+            assert reqs[j].tokens == _reference(pair, reqs[j].prompt_ids, 10, stop_token_ids=())
+        m = engine.metrics()
+        assert m["healthy"] and m["slots_used"] == 0 and m["compiles_after_warmup"] == 0
+    finally:
+        engine.stop()
+
+
+def test_per_row_processing_equals_the_static_one():
+    """processed_logprobs_rows on a batch of rows with different settings = processed_logprobs of each row's
+    SamplingConfig alone (fresh random logits, ties included)."""
+    import jax.numpy as jnp
+
+    from diffspec_jax.sampling import SamplingRows, processed_logprobs, processed_logprobs_rows
+
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(6, 3, 50)).astype(np.float32)
+    logits[2, :, :4] = 3.0  # ties at the top
+    settings = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.6), (0.5, 7, 0.3), (2.0, 50, 1e-30)]
+    rows = SamplingRows(temperature=jnp.array([s[0] for s in settings], jnp.float32),
+                        top_k=jnp.array([s[1] for s in settings], jnp.int32),
+                        top_p=jnp.array([s[2] for s in settings], jnp.float32), key=jnp.zeros((6, 2), jnp.uint32))
+    got = np.asarray(processed_logprobs_rows(jnp.asarray(logits), rows))
+    for i, (t, k, p) in enumerate(settings):
+        want = np.asarray(processed_logprobs(jnp.asarray(logits[i]), SamplingConfig(temperature=t, top_k=k, top_p=p)))
+        np.testing.assert_array_equal(np.isinf(got[i]), np.isinf(want))
+        np.testing.assert_allclose(got[i][~np.isinf(want)], want[~np.isinf(want)], rtol=1e-6, atol=1e-6)
+
+
+def test_row_keys_decide_each_row_alone():
+    """Per-row rejection sampling: each row's decisions are rejection_accept's on that row alone with its key."""
+    import jax
+    import jax.numpy as jnp
+
+    from diffspec_jax.verification import rejection_accept, rejection_accept_rows
+
+    rng = np.random.default_rng(9)
+    b, k, v = 5, 3, 12
+    logp = jax.nn.log_softmax(jnp.asarray(rng.normal(size=(b, k + 1, v)), jnp.float32))
+    drafts = jnp.asarray(rng.integers(0, v, (b, k)), jnp.int32)
+    q = jax.nn.softmax(jnp.asarray(rng.normal(size=(b, k, v)), jnp.float32))
+    keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(b) * 7 + 1)
+    for probs in (None, q):
+        m, emitted = rejection_accept_rows(keys, logp, drafts, probs)
+        for i in range(b):
+            mi, ei = rejection_accept(keys[i], logp[i:i + 1], drafts[i:i + 1], None if probs is None else q[i:i + 1])
+            assert int(m[i]) == int(mi[0]) and np.array_equal(np.asarray(emitted[i]), np.asarray(ei[0]))
+
+
+# ------------------------------------------------------------------------------------------ over HTTP
+def test_models_health_and_api_key(server, client):
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["diffspec-demo"]
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_concurrent_greedy_requests_equal_generate(server, client, pair, prompts):
+    """8 concurrent greedy requests of different lengths over 4 slots (queueing, slot reuse, prefill chunks
+    interleaved with decoding) return what generate() returns for each alone; usage counts the tokens."""
+    n_new = [24, 9, 17, 30, 12, 20, 6, 15]
+    answers = [None] * len(prompts)
+
+    def call(i):
+        answers[i] = client.completions.create(model="diffspec-demo", prompt=prompts[i], max_tokens=n_new[i],
+                                               temperature=0, extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    refs = [_reference(pair, p, n, stop_token_ids=()) for p, n in zip(prompts, n_new)]
+    for t in threads:
+        t.join()
+    tok = pair[2]
+    for ans, ref, p in zip(answers, refs, prompts):
+        assert ans.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+        assert ans.choices[0].finish_reason == "length"
+        assert (ans.usage.prompt_tokens, ans.usage.completion_tokens) == (len(p), len(ref))
+    m = _metrics(server)
+    assert m['diffspec_retrievals_total{policy="diffspec"}'] > 0  # long prompts retrieved
+    assert m['diffspec_mean_acceptance_length{policy="diffspec"}'] > 1.0
+
+
+def test_streaming_completion_and_chat(server, client, pair, prompts):
+    tok = pair[2]
+    # completion, streamed as raw server-sent events: the deltas add up to the greedy answer, then [DONE]
+    with httpx.stream("POST", f"{server}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"prompt": prompts[3], "max_tokens": 20, "temperature": 0, "stream": True,
+                            "ignore_eos": True, "stream_options": {"include_usage": True}}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [x for x in r.iter_lines() if x]
+    assert all(x.startswith("data: ") for x in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(x[6:]) for x in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == tok.decode(_reference(pair, prompts[3], 20, stop_token_ids=()), skip_special_tokens=True)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"] == {"prompt_tokens": len(prompts[3]), "completion_tokens": 20, "total_tokens":
+                                   len(prompts[3]) + 20}
+    # chat through the chat template, non-streaming and streaming (the openai client)
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse(x):"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, chat_template=TEMPLATE)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = tok.decode(_reference(pair, ids, 16, stop_token_ids=()), skip_special_tokens=True)
+    out = client.chat.completions.create(model="diffspec-demo", messages=messages, max_tokens=16, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == want and out.choices[0].message.role == "assistant"
+    assert out.usage.prompt_tokens == len(ids)
+    parts = list(client.chat.completions.create(model="diffspec-demo", messages=messages, max_tokens=16,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == want
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_stops_and_sampling(server, client, pair, prompts):
+    tok = pair[2]
+    ref = _reference(pair, prompts[4], 24, stop_token_ids=())
+    full = tok.decode(ref, skip_special_tokens=True)
+    # a stop token id ends the request at it (counted, not in the text)
+    out = client.completions.create(model="diffspec-demo", prompt=prompts[4], max_tokens=24, temperature=0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [ref[5]]})
+    cut = ref.index(ref[5])
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == cut + 1
+    assert out.choices[0].text == tok.decode(ref[:cut], skip_special_tokens=True)
+    # a stop string: the text ends right before its first occurrence
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip()
+    out = client.completions.create(model="diffspec-demo", prompt=prompts[4], max_tokens=24, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == full[:full.index(stop)]
+    assert out.usage.completion_tokens < 24
+    # sampled requests: a seed gives the same answer alone and beside other requests
+    kw = dict(model="diffspec-demo", prompt=prompts[2], max_tokens=20, temperature=0.9, top_p=0.95,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    alone = client.completions.create(seed=7, **kw).choices[0].text
+    busy = [None] * 4
+
+    def call(i):
+        if i == 3:  # a greedy request in the same batch as the sampled ones
+            busy[i] = client.completions.create(**{**kw, "temperature": 0}).choices[0].text
+        else:
+            busy[i] = client.completions.create(seed=7 if i == 0 else 100 + i, **kw).choices[0].text
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    greedy = tok.decode(_reference(pair, prompts[2], 20, stop_token_ids=()), skip_special_tokens=True)
+    for t in threads:
+        t.join()
+    assert busy[0] == alone
+    assert len({alone, busy[1], busy[2]}) > 1  # other seeds sample other text
+    assert busy[3] == greedy
+
+
+def test_bad_requests_get_errors_and_the_server_keeps_serving(server, client, pair, prompts):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path, body):
+        return httpx.post(f"{server}/v1/{path}", json=body, headers=headers, timeout=60)
+
+    cases = [
+        ("completions", {"prompt": prompts[0], "max_tokens": MAX_LEN}, 400, "prompt", "context_length_exceeded"),
+        ("completions", {"prompt": prompts[0], "n": 2}, 400, "n", None),
+        ("completions", {"prompt": prompts[0], "temperature": "hot"}, 400, "temperature", None),
+        ("completions", {"prompt": prompts[0], "top_p": 0}, 400, "top_p", None),
+        ("completions", {"prompt": prompts[0], "max_tokens": 0}, 400, "max_tokens", None),
+        ("completions", {"prompt": ""}, 400, "prompt", None),
+        ("completions", {"prompt": [1, 2, 10 ** 6]}, 400, "prompt", None),
+        ("completions", {"prompt": prompts[0], "logprobs": 2}, 400, "logprobs", None),
+        ("completions", {"prompt": prompts[0], "stop_token_ids": [-1]}, 400, None, None),
+        ("completions", {"max_tokens": 3}, 400, "prompt", None),
+        ("completions", {"prompt": prompts[0], "model": "gpt-4"}, 404, "model", "model_not_found"),
+        ("chat/completions", {"messages": []}, 400, "messages", None),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+         "messages", None),
+    ]
+    for path, body, status, param, code in cases:
+        r = post(path, body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+        assert (param is None or err["param"] == param) and (code is None or err["code"] == code), err
+    r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={**headers, "Content-Type":
+                                                                               "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="diffspec-demo", prompt="x", max_tokens=MAX_LEN + 1)
+    # still serving, and what it serves is right
+    out = client.completions.create(model="diffspec-demo", prompt=prompts[1], max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == pair[2].decode(_reference(pair, prompts[1], 8, stop_token_ids=()),
+                                                 skip_special_tokens=True)
+
+
+def test_queue_limit_and_cancelled_streams_free_their_slots(server, prompts):
+    """Long streams fill the slots and the waiting queue; one more gets 503 + Retry-After; closing the streams
+    aborts them and frees every slot (seen in /metrics)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    before = _metrics(server)
+    http = httpx.Client(headers=headers, timeout=120)
+    body = {"prompt": prompts[0], "max_tokens": MAX_LEN - len(prompts[0]), "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    streams = []
+    for i in range(SLOTS + WAITING):
+        s = http.stream("POST", f"{server}/v1/completions", json=body)
+        r = s.__enter__()
+        assert r.status_code == 200
+        streams.append((s, r.iter_lines()))  # (an iterator dropped would close its stream)
+        if i == SLOTS - 1:  # the first SLOTS hold a slot each (and stream) before the others queue
+            for _, lines in streams:
+                assert next(lines).startswith("data: ")
+    m = _wait_for(server, lambda m: m["diffspec_requests_waiting"] == WAITING)
+    assert m["diffspec_cache_slots_used"] == SLOTS and m["diffspec_requests_waiting"] == WAITING
+    r = http.post(f"{server}/v1/completions", json={**body, "stream": False})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full"
+    for s, _ in streams:
+        s.__exit__(None, None, None)
+    m = _wait_for(server, lambda m: m["diffspec_cache_slots_used"] == 0 and m["diffspec_requests_waiting"] == 0)
+    assert m["diffspec_cache_slots_used"] == 0 and m["diffspec_requests_waiting"] == 0
+    aborted = 'diffspec_requests_finished_total{finish_reason="abort"}'
+    assert m[aborted] - before[aborted] == SLOTS + WAITING
+    http.close()
+
+
+def test_serve_load_benchmark_against_the_server(server, tmp_path):
+    """benchmarks/serve_load.py --url: Poisson arrivals of streaming clients against the running server."""
+    from benchmarks import serve_load
+
+    assert serve_load.main(["--url", server, "--api-key", API_KEY, "--clients", "3", "--requests", "5",
+                            "--prompt-lens", "20,60", "--new-tokens", "6", "--rate", "20", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "serve_load.json").read_text())
+    run = payload["runs"][0]["server"]
+    assert run["completed"] == 5 and run["output_tokens"] == 30 and not run["errors"]
+    assert 0 < run["ttft_s"]["p50"] <= run["ttft_s"]["p99"] and run["output_tokens_per_s"] > 0
+    assert run["metrics"]["diffspec_compiles_after_warmup"] == 0
+    assert (tmp_path / "serve_load.png").stat().st_size > 0
+
+
+def test_no_compile_after_warmup(server, client, prompts):
+    """After every request above (lengths 7..400, greedy and sampled, stops, cancellations), one more mix: the
+    server compiled nothing since its warm-up."""
+    client.completions.create(model="diffspec-demo", prompt=prompts[7][:77], max_tokens=5, temperature=0.5, seed=1)
+    m = _metrics(server)
+    assert m["diffspec_program_compiles_total"] > 0
+    assert m["diffspec_compiles_after_warmup"] == 0 and m["diffspec_xla_compiles_after_warmup"] == 0
