@@ -286,3 +286,26 @@ def test_numpy_backend_round_trip_per_expert_layout(tmp_path):
         assert back.config == cfg and "lm_head" not in back.params
         for x, y in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(back.params)):
             np.testing.assert_array_equal(x, y)
+
+
+def test_server_slots_reuse_clears_recurrent_state(q35_targets, q35_draft, q35_baseline):
+    """The server's slot engine (issue 24) on a hybrid target: three prompts through two slots, so a slot is
+    reused; its DeltaNet conv and recurrent states start from zero again (greedy output = target-only)."""
+    import time
+
+    from diffspec_jax.serving.scheduler import EngineConfig, Request, SamplingParams, SlotEngine
+
+    model = q35_targets["causal", "fused"]
+    engine = SlotEngine(model, q35_draft, SpecConfig(num_speculative_tokens=3),
+                        EngineConfig(max_num_seqs=2, max_model_len=max(map(len, PROMPTS)) + NEW, prefill_chunk=32))
+    engine.start()
+    try:
+        reqs = [Request(p, SamplingParams(max_tokens=NEW, ignore_eos=True), lambda ev: None) for p in PROMPTS]
+        for r in reqs:
+            engine.submit(r)
+        deadline = time.monotonic() + 120
+        while not all(r.finished for r in reqs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [r.tokens for r in reqs] == [t[:NEW] for t in q35_baseline]
+    finally:
+        engine.stop()

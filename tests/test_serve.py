@@ -18,6 +18,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from conftest import rel_err  # noqa: E402
 from diffspec_jax.config import SamplingConfig, SpecConfig  # noqa: E402
 from diffspec_jax.engine.compile import capacity_bucket  # noqa: E402
 
@@ -137,7 +138,8 @@ def _wait_for(server, cond, timeout=60.0) -> dict:
 # ------------------------------------------------------------------------- in process (while the server starts)
 def test_engine_isolates_a_failing_request(pair, prompts):
     """A request whose output processing raises fails alone (an error event, its slot freed), so does one past its
-    timeout; the others finish with generate()'s tokens and the engine keeps running."""
+    timeout; the others finish with generate()'s tokens and the engine keeps running. The long prompt that took
+    the freed slot was prefilled while the other slot decoded: its KV rows equal a prefill of it alone."""
     from diffspec_jax.serving.scheduler import EngineConfig, Request, SamplingParams, SlotEngine
 
     class Broken:
@@ -154,7 +156,8 @@ def test_engine_isolates_a_failing_request(pair, prompts):
     engine.start()
     try:
         events = [[] for _ in range(4)]
-        reqs = [Request(p, SamplingParams(max_tokens=10, ignore_eos=True), events[j].append,
+        n_new = (100, 10, 10, 10)  # the first decodes while the third's prompt is prefilled into the freed slot
+        reqs = [Request(p, SamplingParams(max_tokens=n_new[j], ignore_eos=True), events[j].append,
                         output=Broken() if j == 1 else None, timeout=0.01 if j == 3 else None)
                 for j, p in enumerate((prompts[2], prompts[1], prompts[5], prompts[3]))]
         for r in reqs:
@@ -166,9 +169,16 @@ def test_engine_isolates_a_failing_request(pair, prompts):
         assert events[3][-1].kind == "error" and events[3][-1].status == 504  # past its timeout
         for j in (0, 2):
             assert events[j][-1].kind == "finish" and events[j][-1].finish_reason == "length"
-            assert reqs[j].tokens == _reference(pair, reqs[j].prompt_ids, 10, stop_token_ids=())
+            assert reqs[j].tokens == _reference(pair, reqs[j].prompt_ids, n_new[j], stop_token_ids=())
         m = engine.metrics()
         assert m["healthy"] and m["slots_used"] == 0 and m["compiles_after_warmup"] == 0
+        # the long prompt was prefilled chunk by chunk while the other slot decoded: its KV rows are a prefill's
+        from diffspec_jax import target as tgt
+
+        p, slot = reqs[2].prompt_ids, reqs[2].slot
+        _, alone = tgt.prefill(target, tgt.create_cache(target, 1, engine.capacity), [p], chunk=CHUNK)
+        for got, want in zip(engine._state.target_cache.k, alone.k):
+            assert rel_err(np.asarray(got[slot, :, :len(p)]), np.asarray(want[0, :, :len(p)])) < 1e-5
     finally:
         engine.stop()
 
@@ -212,6 +222,21 @@ def test_row_keys_decide_each_row_alone():
         for i in range(b):
             mi, ei = rejection_accept(keys[i], logp[i:i + 1], drafts[i:i + 1], None if probs is None else q[i:i + 1])
             assert int(m[i]) == int(mi[0]) and np.array_equal(np.asarray(emitted[i]), np.asarray(ei[0]))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-num-seqs", "0"], "max_num_seqs must be an integer in [1, 4096]"),
+    (["--draft", "somewhere"], "--draft needs --target"),
+    (["--port", "70000"], "--port must be an integer in [0, 65535]"),
+    (["--chat-template", "no/such/template.jinja"], "chat template no/such/template.jinja does not exist"),
+    (["--request-timeout", "0"], "request_timeout must be a finite number > 0.0"),
+])
+def test_cli_usage_errors_are_one_line(argv, words, capsys):
+    from diffspec_jax import serve
+
+    assert serve.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
 
 
 # ------------------------------------------------------------------------------------------ over HTTP
