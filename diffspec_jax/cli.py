@@ -33,11 +33,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                 "(python -m diffspec_jax.train_draft)"),
     "bench": ("benchmarks", "run a benchmark: diffspec bench NAME [ARGS] (from a source checkout's root; "
                             "python benchmarks/NAME.py)"),
-    "serve": ("diffspec_jax.serve", "an HTTP server for generation (diffspec_jax.serve, where installed)"),
+    "serve": ("diffspec_jax.serve", "the OpenAI-compatible server (diffspec_jax.serve; the serve extra)"),
 }
 #: the benchmark scripts ``diffspec bench`` runs (``benchmarks/NAME.py``, each with ``main(argv)``)
 BENCHMARKS = ("e2e", "paired", "long_context", "kernels", "lossless_check", "decode_ablation", "copy_probe",
-              "profile_steps")
+              "profile_steps", "serve_load")
 
 
 def build_parser() -> ArgumentParser:

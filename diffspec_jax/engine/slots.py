@@ -77,13 +77,23 @@ def init_slots(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple[Decod
     return state, loop
 
 
+def parked_length(plan: Plan) -> int:
+    """The committed length of a slot between :func:`slot_reset` and :func:`slot_start`: its verify block
+    (``k_block + 1`` rows: K + 1, or a tree's ``max_tree_nodes + 1``) ends at the capacity, so every write and read
+    of a masked cycle stays inside the cache, past any prompt (a request needs ``prompt + max_tokens <=
+    max_model_len <= capacity - k_block - 1``)."""
+    k_block = plan.spec.diffspec_max_tree_nodes if plan.tree_mode else plan.k
+    return plan.capacity - k_block - 1
+
+
 def slot_reset(plan: Plan, state: DecodeState, slot, temperature, top_k, top_p, key) -> DecodeState:
     """Clear slot ``slot`` for a new request and set its sampling row (``key`` uint32 ``[2]``).
 
-    Until :func:`slot_start` the slot's committed length is the capacity: the decode blocks that run while its
-    prompt is prefilled (the slot masked as done) then write their K/V rows and draft entries for it past the
-    cache, where they are dropped, instead of over the prompt."""
-    state = state.replace(length=_set(state.length, slot, plan.capacity), last_token=_set(state.last_token, slot, 0),
+    Until :func:`slot_start` the slot's committed length is :func:`parked_length`: the decode blocks that run while
+    its prompt is prefilled (the slot masked as done) write their K/V rows and draft entries for it at the end of
+    the cache, which no prompt reaches, instead of over the prompt."""
+    state = state.replace(length=_set(state.length, slot, parked_length(plan)),
+                          last_token=_set(state.last_token, slot, 0),
                           pend_tokens=_set(state.pend_tokens, slot, 0), pend_feats=_set(state.pend_feats, slot, 0),
                           pend_count=_set(state.pend_count, slot, 0), seq_id=_set(state.seq_id, slot, slot))
     ret = state.retrieval
@@ -113,10 +123,12 @@ def new_acc(plan: Plan, target_dtype) -> _PrefillAcc:
 
 
 def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: _PrefillAcc, slot, tokens, next_tokens,
-                 start, length) -> tuple[DecodeState, _PrefillAcc]:
+                 start, length, *, first: bool = False) -> tuple[DecodeState, _PrefillAcc]:
     """One prefill chunk of the prompt in slot ``slot``: ``tokens`` / ``next_tokens`` int32 ``[1, W]`` (the prompt
-    from ``start`` and shifted by one, zero-padded), ``start`` and ``length`` (the prompt's) int32 ``[1]``."""
-    rows, acc = _prefill_chunk(plan, tparams, dparams, _rows(state, slot), acc, tokens, next_tokens, start, length)
+    from ``start`` and shifted by one, zero-padded), ``start`` and ``length`` (the prompt's) int32 ``[1]``;
+    ``first`` (static): the prompt's first chunk (``start`` 0; the fast attention skips the empty prefix)."""
+    rows, acc = _prefill_chunk(plan, tparams, dparams, _rows(state, slot), acc, tokens, next_tokens, start, length,
+                               first=first)
     return _put(state.replace(rng=None), rows.replace(rng=None), slot).replace(rng=state.rng), acc
 
 
@@ -166,7 +178,8 @@ def slot_release(plan: Plan, loop: LoopState, slot) -> LoopState:
 @functools.lru_cache(maxsize=16)
 def slot_programs(plan: Plan) -> SimpleNamespace:
     """The ahead-of-time compiled :class:`_Program` of each slot function for ``plan`` (state, loop and the
-    prefill accumulator donated): ``reset``, ``prefill``, ``start``, ``release``. Without a mesh only."""
+    prefill accumulator donated): ``reset``, ``prefill`` (``prefill_first``: a prompt's first chunk), ``start``,
+    ``release``. Without a mesh only."""
     if plan.mesh is not None:
         raise ConfigError("request slots run on one device: a plan with a mesh (tensor parallelism) is not "
                           "supported by the slot programs yet")
@@ -175,4 +188,5 @@ def slot_programs(plan: Plan) -> SimpleNamespace:
         return _Program(jax.jit(functools.partial(fn, plan), donate_argnums=donate))
 
     return SimpleNamespace(reset=make(slot_reset, (0,)), prefill=make(slot_prefill, (2, 3)),
+                           prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3)),
                            start=make(slot_start, (2, 3)), release=make(slot_release, (0,)))

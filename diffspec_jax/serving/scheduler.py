@@ -21,6 +21,7 @@ the engine (:attr:`SlotEngine.error`).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import queue
 import secrets
 import threading
@@ -228,7 +229,10 @@ class SlotEngine:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the target's context window "
                               f"(max_position_embeddings {tc.max_position_embeddings})")
         capacity = capacity_bucket(self.max_model_len + k_block + 1, tc.max_position_embeddings + k_block + 1)
-        self.plan = plan = Plan(target=tc, draft=draft.config if speculative else None, spec=spec,
+        # capacity >= max_model_len + k_block + 1: what slots.parked_length relies on
+        # the stop ids are inputs of the device loop, not part of its programs (as in generate())
+        self.plan = plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
+                                draft=draft.config if speculative else None, spec=spec,
                                 sampling=SamplingConfig(), aux_layers=draft.aux_layers if speculative else (),
                                 capacity=capacity, kernels=dispatch.kernel_backend())
         self.num_slots = b = config.max_num_seqs
@@ -388,7 +392,8 @@ class SlotEngine:
         """Compile every program: a throw-away request through admission and decoding (each block program holds
         the greedy and the sampling branches), and a second one released while it decodes."""
         events = []
-        req = Request([0], SamplingParams(max_tokens=2, seed=0, ignore_eos=True), events.append)
+        two_chunks = max(1, min(self.prefill_chunk + 1, self.max_model_len - 2))  # first and later chunks
+        req = Request([0] * two_chunks, SamplingParams(max_tokens=2, seed=0, ignore_eos=True), events.append)
         self._waiting.append(req)
         while not req.finished:
             self._step()
@@ -496,9 +501,11 @@ class SlotEngine:
         a, w = self._admitting, self.prefill_chunk
         s = a.chunk * w
         length = np.array([len(a.req.prompt_ids)], np.int32)
-        self._state, a.acc = self._progs.prefill(self.clock, self.tparams, self.dparams, self._state, a.acc,
-                                                 np.int32(a.slot), a.tokens[None, s:s + w],
-                                                 a.tokens[None, s + 1:s + w + 1], np.array([s], np.int32), length)
+        # the fast attention skips a first chunk's empty prefix; the reference has nothing to skip (one program)
+        chunk = self._progs.prefill_first if a.chunk == 0 and self.plan.kernels == "pallas" else self._progs.prefill
+        self._state, a.acc = chunk(self.clock, self.tparams, self.dparams, self._state, a.acc, np.int32(a.slot),
+                                   a.tokens[None, s:s + w], a.tokens[None, s + 1:s + w + 1], np.array([s], np.int32),
+                                   length)
         a.chunk += 1
         if a.chunk == a.n_chunks:
             self._admitting = None
