@@ -219,6 +219,9 @@ class SlotEngine:
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         _validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
+        if spec.draft_sampling != "argmax":
+            raise ConfigError(f"draft_sampling={spec.draft_sampling!r}: request slots draft by argmax (each slot "
+                              f"samples with its own settings at verification); use draft_sampling='argmax'")
         tc = target.config
         self.target, self.draft, self.spec, self.config = target, draft, spec, config
         speculative = draft is not None
