@@ -33,14 +33,19 @@ def processed_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array
         kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
         x = jnp.where(x < kth, _MASKED, x)
     if sampling.top_p < 1.0:
-        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-        probs = jax.nn.softmax(sorted_x, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-        # the most likely token is always kept (a top_p such as 1e-300 is 0 in float32 and would keep none)
-        keep = (before < sampling.top_p).at[..., 0].set(True)
-        threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < threshold, _MASKED, x)
+        x = jnp.where(x < _nucleus_threshold(x, sampling.top_p), _MASKED, x)
     return jax.nn.log_softmax(x, axis=-1)
+
+
+def _nucleus_threshold(x: jax.Array, top_p) -> jax.Array:
+    """The smallest logit top-p keeps, ``[..., 1]``: tokens by descending ``x`` until the mass strictly above one
+    reaches ``top_p`` (a float, or an array broadcasting against ``[..., 1]``). The most likely token is always
+    kept (a top_p such as 1e-300 is 0 in float32 and would keep none)."""
+    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+    keep = (before < top_p).at[..., 0].set(True)
+    return jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
 
 
 def choose(key: jax.Array, logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
@@ -121,11 +126,7 @@ def processed_logprobs_rows(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     desc = -jnp.sort(-x, axis=-1)
     kth = jnp.take_along_axis(desc, jnp.broadcast_to(_per_row(k - 1, nd), x.shape[:-1] + (1,)), axis=-1)
     x = jnp.where(x < kth, _MASKED, x)
-    sorted_x = -jnp.sort(-x, axis=-1)
-    probs = jax.nn.softmax(sorted_x, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (before < _per_row(rows.top_p, nd)).at[..., 0].set(True)
-    threshold = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    threshold = _nucleus_threshold(x, _per_row(rows.top_p, nd))
     x = jnp.where(_per_row(rows.top_p < 1.0, nd) & (x < threshold), _MASKED, x)
     return jax.nn.log_softmax(x, axis=-1)
 
