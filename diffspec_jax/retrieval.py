@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from diffspec_jax.config import SpecConfig
+from pallas_kernels import chunk_scores as chunk_scores_kernel
+from pallas_kernels.common import kernel_backend
 
 NO_SCORE = -jnp.inf
 
@@ -91,6 +93,14 @@ def head_sum_scores(q: jax.Array, lse: jax.Array | None, k_cache: jax.Array, roo
     per_chunk = jnp.pad(p, ((0, 0), (0, pad))).reshape(b, nc, chunk).sum(-1)
     counts = jnp.pad(valid, ((0, 0), (0, pad))).reshape(b, nc, chunk).sum(-1)
     return jnp.where(counts > 0, per_chunk / jnp.maximum(counts, 1), 0.0)
+
+
+def run_chunk_scores(q, lse, k_cache, root, *, chunk):
+    """:func:`head_sum_scores` by :func:`pallas_kernels.chunk_scores.chunk_scores` (the Pallas backend, chunks of
+    a power-of-two size, ``lse`` given) or by the reference."""
+    if kernel_backend() == "pallas" and chunk & (chunk - 1) == 0 and lse is not None:
+        return chunk_scores_kernel.chunk_scores(q, lse, k_cache, root, chunk=chunk)
+    return head_sum_scores(q, lse, k_cache, root, chunk)
 
 
 def salience_scores(draft_q: jax.Array, chunk_sum: jax.Array, root: jax.Array, chunk: int) -> jax.Array:

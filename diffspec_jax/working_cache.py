@@ -14,8 +14,9 @@ Layouts (per sequence; Hkv = draft KV heads, D = head_dim):
 The draft attends causally over local slot positions (slot s is visible to a query at local position p iff
 s <= p), so stale slots beyond the current query are never read. Everything has static shapes.
 
-The pure-JAX functions here (:func:`gather_rope_write`, :func:`draft_attention`) are the references the Pallas
-kernels and the torch bridge are tested against.
+The pure-JAX functions here (:func:`gather_rope_write_reference`, :func:`draft_attention_reference`) are the
+references the Pallas kernels and the torch bridge are tested against; :func:`run_gather_rope_write` and
+:func:`run_draft_attention` pick the kernel or the reference (:func:`pallas_kernels.common.kernel_backend`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from diffspec_jax.cache import write_rows
 from diffspec_jax.config import DraftConfig, SpecConfig
 from diffspec_jax.models import eagle3
 from diffspec_jax.models.layers import apply_rope, attention_dense, causal_mask, rope_cos_sin
+from pallas_kernels import draft_attention as draft_attention_kernel
+from pallas_kernels import gather_rope_write as gather_rope_write_kernel
+from pallas_kernels.common import kernel_backend
 
 
 @struct.dataclass
@@ -131,15 +135,20 @@ def gather_rope_write(config: DraftConfig, cache: DraftCache, idx: jax.Array) ->
 
     Args:
         idx: int32 ``[B, N]`` sorted absolute positions, ``-1`` padded (from :func:`history_indices`).
-    Runs the Pallas kernel or :func:`gather_rope_write_reference` (see :mod:`pallas_kernels.dispatch`).
+    Runs the Pallas kernel or :func:`gather_rope_write_reference` (:func:`run_gather_rope_write`).
     """
-    from pallas_kernels import dispatch
-
     local = jnp.arange(idx.shape[1], dtype=jnp.int32)
     cos, sin = rope_cos_sin(local, config.rope.inv_freq(config.head_dim))
-    k, v = dispatch.gather_rope_write(cache.store_k, cache.store_v, cache.work_k, cache.work_v, idx, cos, sin,
-                                      interleaved=config.rope.interleaved)
+    k, v = run_gather_rope_write(cache.store_k, cache.store_v, cache.work_k, cache.work_v, idx, cos, sin,
+                                 interleaved=config.rope.interleaved)
     return cache.replace(work_k=k, work_v=v)
+
+
+def run_gather_rope_write(store_k, store_v, work_k, work_v, idx, cos, sin, *, interleaved=False):
+    """:func:`pallas_kernels.gather_rope_write.gather_rope_write` or :func:`gather_rope_write_reference` (same
+    signature), by :func:`pallas_kernels.common.kernel_backend`."""
+    fn = gather_rope_write_kernel.gather_rope_write if kernel_backend() == "pallas" else gather_rope_write_reference
+    return fn(store_k, store_v, work_k, work_v, idx, cos, sin, interleaved=interleaved)
 
 
 def gather_rope_write_reference(store_k, store_v, work_k, work_v, idx, cos, sin, *, interleaved=False):
@@ -171,11 +180,16 @@ def write_slots(cache: DraftCache, k_rot: jax.Array, v: jax.Array, slots: jax.Ar
 def draft_attention(config: DraftConfig, cache: DraftCache, q_rot: jax.Array, q_local: jax.Array) -> jax.Array:
     """Draft attention of queries ``[B, T, Hq, D]`` at local positions ``[B, T]`` over the working cache.
 
-    Runs the Pallas kernel or :func:`draft_attention_reference` (see :mod:`pallas_kernels.dispatch`).
+    Runs the Pallas kernel or :func:`draft_attention_reference` (:func:`run_draft_attention`).
     """
-    from pallas_kernels import dispatch
+    return run_draft_attention(q_rot, cache.work_k, cache.work_v, q_local, scale=config.head_dim ** -0.5)
 
-    return dispatch.draft_attention(q_rot, cache.work_k, cache.work_v, q_local, scale=config.head_dim ** -0.5)
+
+def run_draft_attention(q, k, v, q_local, *, scale):
+    """:func:`pallas_kernels.draft_attention.draft_attention` or :func:`draft_attention_reference` (same
+    signature), by :func:`pallas_kernels.common.kernel_backend`."""
+    fn = draft_attention_kernel.draft_attention if kernel_backend() == "pallas" else draft_attention_reference
+    return fn(q, k, v, q_local, scale=scale)
 
 
 def draft_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, q_local: jax.Array, *, scale: float

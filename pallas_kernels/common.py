@@ -6,8 +6,9 @@
 directly as vector-indexed loads with masks; on Hopper, Mosaic GPU has no TMA gather (Blackwell only) and would
 need per-row asynchronous copies and warpgroup-level code for the same thing. The cost: JAX 0.11 deprecates the
 Triton lowering (it remains in JAX 0.10 to 0.12, the versions this project supports), block dimensions must be
-powers of two, and there is no TMA. Each kernel sits behind :mod:`pallas_kernels.dispatch` next to a pure-JAX
-reference with the same signature, so porting one to Mosaic GPU later changes nothing else.
+powers of two, and there is no TMA. Each kernel has a pure-JAX reference with the same signature, and the module
+that owns the reference picks one of the two by :func:`kernel_backend` (:mod:`pallas_kernels.dispatch` lists
+them), so porting one to Mosaic GPU later changes nothing else.
 
 **Indexing.** Every load and store indexes all four dimensions with broadcastable integer arrays (no slices):
 that single form is what both the Triton lowering (pointer arithmetic) and the CPU interpreter accept for gathers,
@@ -21,10 +22,34 @@ group; :func:`rows_to_heads` undoes it).
 
 from __future__ import annotations
 
+import os
+
+import jax
 import jax.numpy as jnp
 
-from diffspec_jax.models.layers import NEG_INF as NEG  # finite "minus infinity" of the softmax statistics
-from pallas_kernels.dispatch import interpret_mode
+from diffspec_jax.errors import ConfigError
+
+#: the finite "minus infinity" of the softmax statistics, in the kernels and their references
+#: (:data:`diffspec_jax.models.layers.NEG_INF`)
+NEG = -1e30
+BACKENDS = ("reference", "pallas")
+
+
+def kernel_backend() -> str:
+    """``"pallas"`` or ``"reference"`` for this process: ``DIFFSPEC_KERNELS=reference|pallas`` in the environment,
+    else Pallas on GPUs and the pure-JAX references elsewhere (``pallas`` on a CPU interprets the kernels: slow,
+    for tests). Read at trace time, so fixed for the life of a compiled function."""
+    choice = os.environ.get("DIFFSPEC_KERNELS", "").strip().lower()
+    if choice:
+        if choice not in BACKENDS:
+            raise ConfigError(f"DIFFSPEC_KERNELS must be one of {BACKENDS}, got {choice!r}")
+        return choice
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def interpret_mode() -> bool:
+    """Pallas kernels are compiled on GPUs and interpreted everywhere else."""
+    return jax.default_backend() != "gpu"
 
 
 def pow2_pieces(start: int, stop: int) -> list[tuple[int, int]]:
@@ -52,8 +77,6 @@ def call_options(num_warps: int = 4, num_stages: int = 2) -> dict:
 
 def dot_precision(dtype) -> tuple:
     """Full float32 precision for float32 operands (Triton's default float32 dot is TF32)."""
-    import jax
-
     hi = jax.lax.Precision.HIGHEST
     return (hi, hi) if jnp.dtype(dtype) == jnp.float32 else (jax.lax.Precision.DEFAULT,) * 2
 
@@ -64,8 +87,6 @@ def matmul(a, b, *, trans_b: bool = False, precision=None):
     ``lax.dot_general`` lowers to a Triton dot (``pl.dot`` is gone from JAX 0.12) and to a plain dot in interpret
     mode; ``precision=dot_precision(dtype)`` keeps float32 operands in IEEE float32.
     """
-    import jax
-
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 

@@ -10,7 +10,7 @@ computes exactly that and picks how:
   :func:`diffspec_jax.models.layers.attention_tiled` for longer (prefill) chunks. These are the numerics every
   test checks against transformers.
 * **fast** (``DIFFSPEC_KERNELS=pallas``, the default on GPUs): a decode or chain-verify step is one call of
-  :func:`pallas_kernels.dispatch.cache_attention` in its causal form over the buffer with the block already
+  :func:`pallas_kernels.cache_attention.cache_attention` in its causal form over the buffer with the block already
   written (split-K flash decoding: the ``T x G`` query rows of a KV head share one read of each KV tile, so
   verifying K + 1 tokens reads the cache once, like a decode step). A tree block and a prefill chunk compute
   the prefix and the block separately and merge them by their log-sum-exp
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from diffspec_jax.cache import ATTENTION_TILE, write_rows
 from diffspec_jax.models.layers import NEG_INF, attention_dense, attention_prefix, attention_tiled, merge_attention
-from pallas_kernels import dispatch
+from pallas_kernels import cache_attention as cache_attention_kernel
+from pallas_kernels.common import kernel_backend
 
 #: steps with at most this many new tokens per sequence attend densely over the cache (decode, verification,
 #: tree blocks); longer ones (prefill chunks) use the tiled (reference) or flash (fast) path
@@ -55,8 +56,17 @@ def full_mask(start: jax.Array, block_mask: jax.Array, capacity: int) -> jax.Arr
 
 
 def fast_path() -> bool:
-    """True when the fast implementations are chosen (:func:`pallas_kernels.dispatch.kernel_backend`)."""
-    return dispatch.kernel_backend() == "pallas"
+    """True when the fast implementations are chosen (:func:`pallas_kernels.common.kernel_backend`)."""
+    return kernel_backend() == "pallas"
+
+
+def run_cache_attention(q, k, v, lengths, *, scale, causal=False):
+    """:func:`pallas_kernels.cache_attention.cache_attention` or its reference
+    :func:`~diffspec_jax.models.layers.attention_prefix` (same contract: ``(out, lse)`` over the committed prefix,
+    and with ``causal`` over the chain block written after it), by :func:`fast_path`."""
+    if fast_path():
+        return cache_attention_kernel.cache_attention(q, k, v, lengths, scale=scale, causal=causal)
+    return attention_prefix(q, k, v, lengths, scale, causal=causal)
 
 
 def _cudnn_ok(x: jax.Array) -> bool:
@@ -133,9 +143,9 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
         return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, kb.shape[2]), heads_first=True), \
             kb, vb
     if dense and block_mask is None:  # a chain: one kernel over the prefix and the block just written
-        return dispatch.cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale, causal=True), kb, vb
+        return run_cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale, causal=True), kb, vb
     if dense:  # a tree block: the prefix by the kernel, the block under its ancestry mask, merged
-        prefix = dispatch.cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale)
+        prefix = run_cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale)
         block = attention_dense(q, k, v, block_mask, scale)
         out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
         return (out.astype(q.dtype), lse), kb, vb

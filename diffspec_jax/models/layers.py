@@ -11,8 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: finite "minus infinity" for masked scores: keeps exp() and max() free of NaN on fully masked tiles
-NEG_INF = -1e30
+from pallas_kernels.common import NEG
+
+#: finite "minus infinity" for masked scores: keeps exp() and max() free of NaN on fully masked tiles (the Pallas
+#: kernels' too)
+NEG_INF = NEG
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
