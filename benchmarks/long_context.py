@@ -444,13 +444,14 @@ def demo_acceptance() -> dict | None:
 # ----------------------------------------------------------------------------------------------- peer
 def _to_transformers(tcfg, params, dev):
     """A transformers Llama (bf16, sdpa) on ``dev`` holding ``params`` (JAX layout), converted with the loader's
-    own tensor maps (DLPack where it works, else through the host)."""
+    own parameter table (DLPack where it works, else through the host)."""
     import tempfile
 
     import torch
     import transformers
 
-    from checkpoints_tools.hf import _get_path, llama_tensor_maps
+    from diffspec_jax.models import llama
+    from diffspec_jax.models import params as tables
 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps({**tcfg.to_hf_dict(), "dtype": "bfloat16"}))
@@ -460,20 +461,20 @@ def _to_transformers(tcfg, params, dev):
                                                               attn_implementation="sdpa")
     model.eval()
     sd = model.state_dict()
-    maps = llama_tensor_maps(tcfg)
-    missing = sorted(set(sd) - set(maps))
+    rows = {p.hf: p for p in llama.param_table(tcfg)}
+    missing = sorted(set(sd) - set(rows))
     if missing:
         raise RuntimeError(f"transformers parameters without a source: {missing[:5]}")
     how = "dlpack"
-    for name, m in maps.items():
-        src = _get_path(params, m.path)
+    for name, m in rows.items():
+        src = tables.get_leaf(params, m.path)
         try:
             tens = torch.from_dlpack(src)
         except Exception:  # noqa: BLE001 - any DLPack refusal: go through the host
             how = "host copy"
             tens = torch.from_numpy(np.asarray(jax.device_get(src)).view(np.uint16)).view(torch.bfloat16)
         with torch.no_grad():
-            sd[name].copy_(m.to_hf(tens))
+            sd[name].copy_(m.transform.save(tens, m.shape))
         del tens
     if dev == "cuda":
         torch.cuda.synchronize()

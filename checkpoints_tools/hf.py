@@ -2,8 +2,9 @@
 
 Reads ``model.safetensors`` or a sharded ``model.safetensors.index.json`` (its ``weight_map`` names the shard
 of every tensor), checks every tensor's shape against the config, converts PyTorch ``[out, in]`` linears to
-JAX ``[in, out]`` with explicit head axes (layouts in :mod:`diffspec_jax.models.llama` and
-:mod:`diffspec_jax.models.qwen35`), and writes the inverse. Tensors are read one at a time, so peak host memory
+JAX ``[in, out]`` with explicit head axes, and writes the inverse: which tensor feeds which leaf, and how, is
+each model's parameter table (:mod:`diffspec_jax.models.params`; tables in :mod:`diffspec_jax.models.llama`,
+:mod:`diffspec_jax.models.qwen35` and :mod:`diffspec_jax.models.eagle3`). Tensors are read one at a time, so peak host memory
 is about one tensor above the params themselves.
 
 Qwen3.5-MoE checkpoints: the decoder sits under ``model.language_model.`` (``Qwen3_5MoeForConditionalGeneration``;
@@ -17,9 +18,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,8 @@ from safetensors.numpy import save_file
 
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.errors import CheckpointError, PathNotFoundError
+from diffspec_jax.models import eagle3, family, llama
+from diffspec_jax.models import params as tables
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -181,117 +183,41 @@ class WeightReader:
             raise _damaged(file, exc, name) from exc
 
 
-# ----------------------------------------------------------------------------------------------- mappings
-@dataclass(frozen=True)
-class TensorMap:
-    """How one HF tensor maps onto one params leaf.
-
-    Attributes:
-        path: location in the params pytree, e.g. ``("layers", 3, "wq")`` (a tuple of locations when ``split``: one
-            HF tensor feeding several leaves, e.g. Qwen3.5's ``q_proj`` -> query and gate).
-        hf_shape: shape on disk.
-        to_jax, to_hf: NumPy transforms between the disk layout and the params layout.
-    """
-
-    path: tuple[Any, ...]
-    hf_shape: tuple[int, ...]
-    to_jax: Callable[[np.ndarray], np.ndarray]
-    to_hf: Callable[[np.ndarray], np.ndarray]
-    split: bool = False  # path is a tuple of leaf paths; to_jax returns (and to_hf takes) one array per leaf
-
-
-def copy_map(path, shape) -> TensorMap:
-    return TensorMap(path, tuple(shape), lambda a: a, lambda a: a)
-
-
-def linear_map(path, out_dim: int, in_dim: int, jax_shape: tuple[int, ...] | None = None) -> TensorMap:
-    """A PyTorch ``Linear`` weight ``[out, in]`` stored as ``[in, out]``, optionally reshaped (head axes)."""
-    jax_shape = jax_shape or (in_dim, out_dim)
-    return TensorMap(path, (out_dim, in_dim), lambda a: a.T.reshape(jax_shape),
-                     lambda a: a.reshape(in_dim, out_dim).T)
-
-
-def llama_tensor_maps(config: ModelConfig, prefix: str = "model.") -> dict[str, TensorMap]:
-    """HF key -> :class:`TensorMap` for Llama / Qwen3 (``prefix`` is the decoder's key prefix)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    hq, hkv = config.num_attention_heads, config.num_key_value_heads
-    maps = {f"{prefix}embed_tokens.weight": copy_map(("embed",), (config.vocab_size, h)),
-            f"{prefix}norm.weight": copy_map(("final_norm",), (h,))}
-    if not config.tie_word_embeddings:
-        maps["lm_head.weight"] = linear_map(("lm_head",), config.vocab_size, h)
-    for n in range(config.num_hidden_layers):
-        p = f"{prefix}layers.{n}."
-        maps.update({
-            f"{p}input_layernorm.weight": copy_map(("layers", n, "attn_norm"), (h,)),
-            f"{p}post_attention_layernorm.weight": copy_map(("layers", n, "mlp_norm"), (h,)),
-            f"{p}self_attn.q_proj.weight": linear_map(("layers", n, "wq"), hq * d, h, (h, hq, d)),
-            f"{p}self_attn.k_proj.weight": linear_map(("layers", n, "wk"), hkv * d, h, (h, hkv, d)),
-            f"{p}self_attn.v_proj.weight": linear_map(("layers", n, "wv"), hkv * d, h, (h, hkv, d)),
-            f"{p}self_attn.o_proj.weight": linear_map(("layers", n, "wo"), h, hq * d, (hq, d, h)),
-            f"{p}mlp.gate_proj.weight": linear_map(("layers", n, "w_gate"), i, h),
-            f"{p}mlp.up_proj.weight": linear_map(("layers", n, "w_up"), i, h),
-            f"{p}mlp.down_proj.weight": linear_map(("layers", n, "w_down"), h, i),
-        })
-        if config.qk_norm:
-            maps[f"{p}self_attn.q_norm.weight"] = copy_map(("layers", n, "q_norm"), (d,))
-            maps[f"{p}self_attn.k_norm.weight"] = copy_map(("layers", n, "k_norm"), (d,))
-    return maps
-
-
-def _set_path(tree: dict, path: tuple, value) -> None:
-    node = tree
-    for key, nxt in zip(path[:-1], path[1:]):
-        if isinstance(key, int):
-            while len(node) <= key:
-                node.append({} if not isinstance(nxt, int) else [])
-            node = node[key]
-        else:
-            node = node.setdefault(key, [] if isinstance(nxt, int) else {})
-    node[path[-1]] = value
-
-
-def _get_path(tree, path: tuple):
-    for key in path:
-        tree = tree[key]
-    return tree
-
-
-def read_tensors(reader: WeightReader, maps: dict[str, TensorMap], dtype, *,
-                 optional: tuple[str, ...] = (), ignore: Callable[[str], bool] = lambda k: False) -> dict:
-    """Load every mapped tensor, checking presence, float dtype and shape; refuse unknown tensors.
+# ------------------------------------------------------------------------------------------- tables <-> disk
+def read_tensors(reader: WeightReader, table: tables.Table, dtype, *,
+                 ignore: Callable[[str], bool] = lambda k: False) -> dict:
+    """Load every tensor the parameter ``table`` names (:mod:`diffspec_jax.models.params`), checking presence,
+    float dtype and shape; refuse unknown tensors.
 
     Args:
-        optional: HF keys that may be absent (left out of the result).
         ignore: predicate for present tensors that are deliberately unused.
     Returns:
         the params pytree (``jnp`` arrays of ``dtype``).
     """
+    wanted = tables.hf_tensors(table)
     present = set(reader.keys())
-    missing = [k for k in maps if k not in present and k not in optional]
+    missing = [k for k in wanted if k not in present]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise CheckpointError(f"{reader.path}: missing tensors {missing[:5]}{more}")
-    unexpected = [k for k in present - set(maps) if not k.endswith(IGNORED_SUFFIXES) and not ignore(k)]
+    unexpected = [k for k in present - set(wanted) if not k.endswith(IGNORED_SUFFIXES) and not ignore(k)]
     if unexpected:
         more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
         raise CheckpointError(
             f"{reader.path}: unexpected tensors {sorted(unexpected)[:5]}{more}; the checkpoint does not match "
             f"its config.json (wrong architecture, biases or quantized weights?)")
     params: dict = {}
-    for key, m in maps.items():
-        if key not in present:
-            continue
+    for key, rows in wanted.items():
         disk_dtype = reader.dtype(key)
         if disk_dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{reader.path}: tensor {key!r} has dtype {disk_dtype}; quantized or integer "
                                   f"weights are not supported")
-        shape = reader.shape(key)
-        if shape != m.hf_shape:
+        shape, expected = reader.shape(key), tables.hf_shape(rows)
+        if shape != expected:
             raise CheckpointError(f"{reader.path}: tensor {key!r} has shape {list(shape)}, but config.json implies "
-                                  f"{list(m.hf_shape)}")
-        value = m.to_jax(reader.get(key))
-        for p, arr in (zip(m.path, value) if m.split else ((m.path, value),)):
-            _set_path(params, p, jnp.asarray(arr, dtype=dtype))
+                                  f"{list(expected)}")
+        for row, arr in zip(rows, tables.from_hf(rows, reader.get(key))):
+            tables.set_leaf(params, row.path, jnp.asarray(arr, dtype=dtype))
     return params
 
 
@@ -301,36 +227,18 @@ def load_hf_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) ->
         return load_qwen35_params(path, config, dtype)
     with WeightReader(path) as reader:
         tied = config.tie_word_embeddings
-        return read_tensors(reader, llama_tensor_maps(config), dtype,
+        return read_tensors(reader, family(config).table(config), dtype,
                             ignore=lambda k: tied and k == "lm_head.weight")
 
 
-def target_tensor_maps(config: ModelConfig) -> dict[str, TensorMap]:
-    """The HF key -> :class:`TensorMap` table of a target (any supported family, default key prefix)."""
-    return qwen35_tensor_maps(config, config.weight_prefix) if config.is_hybrid else llama_tensor_maps(config)
-
-
-def hf_names(maps: dict[str, TensorMap]) -> dict[tuple, str]:
-    """params leaf path (a tuple such as ``("layers", 3, "wq")``) -> the HF tensor it is read from."""
-    out = {}
-    for key, m in maps.items():
-        for path in (m.path if m.split else (m.path,)):
-            out[tuple(path)] = key
-    return out
-
-
-def export_tensors(params: dict, maps: dict[str, TensorMap], dtype=None) -> dict[str, np.ndarray]:
+def export_tensors(params: dict, table: tables.Table, dtype=None) -> dict[str, np.ndarray]:
     """The inverse of :func:`read_tensors`: HF key -> NumPy array in the disk layout."""
-    out = {}
-
     def leaf(p):
-        arr = np.asarray(jax.device_get(_get_path(params, p)))
+        arr = np.asarray(jax.device_get(tables.get_leaf(params, p.path)))
         return arr.astype(dtype) if dtype is not None else arr
 
-    for key, m in maps.items():
-        arr = tuple(leaf(p) for p in m.path) if m.split else leaf(m.path)
-        out[key] = np.ascontiguousarray(m.to_hf(arr))
-    return out
+    return {key: np.ascontiguousarray(tables.to_hf(rows, [leaf(r) for r in rows]))
+            for key, rows in tables.hf_tensors(table).items()}
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], *, max_shard_bytes: int | None = None,
@@ -376,15 +284,13 @@ def save_hf(path: str | Path, config: ModelConfig, params: dict, *, dtype: str |
     path = Path(path)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, None: None}[dtype]
     if config.is_hybrid:
-        tensors = export_tensors(params, qwen35_tensor_maps(config), np_dtype)
+        tensors = export_tensors(params, family(config).table(config), np_dtype)
         if expert_layout == "per_expert":
             tensors = split_experts(tensors)
         elif expert_layout != "fused":
             raise ValueError(f"expert_layout must be 'fused' or 'per_expert', got {expert_layout!r}")
     else:
-        from diffspec_jax.models.llama import split_projections
-
-        tensors = export_tensors(split_projections(config, params), llama_tensor_maps(config), np_dtype)
+        tensors = export_tensors(llama.split_projections(config, params), family(config).table(config), np_dtype)
     write_safetensors(path, tensors, max_shard_bytes=max_shard_bytes)
     cfg = config.to_hf_dict()
     if dtype:
@@ -394,83 +300,6 @@ def save_hf(path: str | Path, config: ModelConfig, params: dict, *, dtype: str |
 
 
 # --------------------------------------------------------------------------------------------- Qwen3.5-MoE
-def _split_map(paths, hf_shape, to_jax, to_hf) -> TensorMap:
-    return TensorMap(tuple(paths), tuple(hf_shape), to_jax, to_hf, split=True)
-
-
-def qwen35_tensor_maps(config: ModelConfig, prefix: str | None = None) -> dict[str, TensorMap]:
-    """HF key -> :class:`TensorMap` for Qwen3.5-MoE in the fused expert layout (layout in
-    :mod:`diffspec_jax.models.qwen35`; ``prefix`` defaults to the architecture's decoder prefix)."""
-    prefix = config.weight_prefix if prefix is None else prefix
-    h, d, v = config.hidden_size, config.head_dim, config.vocab_size
-    hq, hkv = config.num_attention_heads, config.num_key_value_heads
-    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv, w = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
-    kd, vd = hk * dk, hv * dv
-    e, i, s = config.num_experts, config.intermediate_size, config.shared_expert_intermediate_size
-    maps = {f"{prefix}embed_tokens.weight": copy_map(("embed",), (v, h)),
-            f"{prefix}norm.weight": copy_map(("final_norm",), (h,))}
-    if not config.tie_word_embeddings:
-        maps["lm_head.weight"] = linear_map(("lm_head",), v, h)
-
-    def split_channels(a: np.ndarray, lead: int):  # [lead, 2kd + vd] -> q [lead, hk, dk], k, v [lead, hv, dv]
-        return (a[:, :kd].reshape(lead, hk, dk), a[:, kd:2 * kd].reshape(lead, hk, dk),
-                a[:, 2 * kd:].reshape(lead, hv, dv))
-
-    def join_channels(parts, lead: int):
-        return np.concatenate([x.reshape(lead, -1) for x in parts], axis=1)
-
-    for n in range(config.num_hidden_layers):
-        p, lay = f"{prefix}layers.{n}.", ("layers", n)
-        maps[f"{p}input_layernorm.weight"] = copy_map(lay + ("attn_norm",), (h,))
-        maps[f"{p}post_attention_layernorm.weight"] = copy_map(lay + ("mlp_norm",), (h,))
-        if config.layer_type(n) == "full_attention":
-            a = f"{p}self_attn."
-            maps[f"{a}q_proj.weight"] = _split_map(  # per-head interleaved [query | gate] of 2 * head_dim rows
-                (lay + ("wq",), lay + ("wg",)), (hq * 2 * d, h),
-                lambda x: tuple(np.moveaxis(x.T.reshape(h, hq, 2, d), 2, 0)),
-                lambda qg: np.stack(qg, axis=2).reshape(h, hq * 2 * d).T)
-            maps.update({
-                f"{a}k_proj.weight": linear_map(lay + ("wk",), hkv * d, h, (h, hkv, d)),
-                f"{a}v_proj.weight": linear_map(lay + ("wv",), hkv * d, h, (h, hkv, d)),
-                f"{a}o_proj.weight": linear_map(lay + ("wo",), h, hq * d, (hq, d, h)),
-                f"{a}q_norm.weight": copy_map(lay + ("q_norm",), (d,)),
-                f"{a}k_norm.weight": copy_map(lay + ("k_norm",), (d,)),
-            })
-        else:
-            a = f"{p}linear_attn."
-            maps[f"{a}in_proj_qkv.weight"] = _split_map(
-                (lay + ("lin_wq",), lay + ("lin_wk",), lay + ("lin_wv",)), (2 * kd + vd, h),
-                lambda x: split_channels(x.T, h), lambda parts: join_channels(parts, h).T)
-            maps[f"{a}conv1d.weight"] = _split_map(  # depthwise [channels, 1, W] -> taps first
-                (lay + ("conv_q",), lay + ("conv_k",), lay + ("conv_v",)), (2 * kd + vd, 1, w),
-                lambda x: split_channels(x[:, 0, :].T, w), lambda parts: join_channels(parts, w).T[:, None, :])
-            maps.update({
-                f"{a}in_proj_z.weight": linear_map(lay + ("lin_wz",), vd, h, (h, hv, dv)),
-                f"{a}in_proj_b.weight": linear_map(lay + ("lin_wb",), hv, h),
-                f"{a}in_proj_a.weight": linear_map(lay + ("lin_wa",), hv, h),
-                f"{a}dt_bias": copy_map(lay + ("dt_bias",), (hv,)),
-                f"{a}A_log": copy_map(lay + ("A_log",), (hv,)),
-                f"{a}norm.weight": copy_map(lay + ("lin_norm",), (dv,)),
-                f"{a}out_proj.weight": linear_map(lay + ("lin_wo",), h, vd, (hv, dv, h)),
-            })
-        m = f"{p}mlp."
-        maps[f"{m}experts.gate_up_proj"] = _split_map(
-            (lay + ("we_gate",), lay + ("we_up",)), (e, 2 * i, h),
-            lambda x: (x[:, :i].transpose(0, 2, 1), x[:, i:].transpose(0, 2, 1)),
-            lambda gu: np.concatenate([gu[0].transpose(0, 2, 1), gu[1].transpose(0, 2, 1)], axis=1))
-        maps[f"{m}experts.down_proj"] = TensorMap(lay + ("we_down",), (e, h, i), lambda x: x.transpose(0, 2, 1),
-                                                  lambda x: x.transpose(0, 2, 1))
-        maps.update({
-            f"{m}gate.weight": linear_map(lay + ("router",), e, h),
-            f"{m}shared_expert.gate_proj.weight": linear_map(lay + ("ws_gate",), s, h),
-            f"{m}shared_expert.up_proj.weight": linear_map(lay + ("ws_up",), s, h),
-            f"{m}shared_expert.down_proj.weight": linear_map(lay + ("ws_down",), h, s),
-            f"{m}shared_expert_gate.weight": linear_map(lay + ("shared_gate",), 1, h),
-        })
-    return maps
-
-
 _PER_EXPERT = re.compile(r"^(?P<base>.*\.mlp\.experts\.)(?P<j>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
 
@@ -580,53 +409,18 @@ def load_qwen35_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16
                 break
         view = FusedExpertsView(reader, prefix)
         tied = config.tie_word_embeddings
-        return read_tensors(view, qwen35_tensor_maps(config, prefix), dtype,
+        return read_tensors(view, family(config).table(config, prefix=prefix), dtype,
                             ignore=lambda k: k.startswith(QWEN35_IGNORED_PREFIXES) or (tied and k == "lm_head.weight"))
 
 
-def iter_weight_files(path: str | Path) -> Iterator[Path]:
-    """Every weight file of a checkpoint directory (safetensors shards, single file, or .bin)."""
-    path = check_dir(path)
-    yield from sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
-
-
 # ------------------------------------------------------------------------------------------- EAGLE-3 drafts
-DRAFT_LAYER_PREFIXES = ("midlayer.", "layers.0.")
-
-
-def eagle3_tensor_maps(config, num_aux: int, layer_prefix: str = "midlayer.", own_embedding: bool = False
-                       ) -> dict[str, TensorMap]:
-    """HF key -> :class:`TensorMap` for a SpecForge / vLLM EAGLE-3 draft (``d2t``/``t2d`` handled separately)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    hq, hkv = config.num_attention_heads, config.num_key_value_heads
-    p = layer_prefix
-    maps = {
-        "fc.weight": linear_map(("fc",), h, num_aux * config.target_hidden_size),
-        f"{p}hidden_norm.weight": copy_map(("hidden_norm",), (h,)),
-        f"{p}input_layernorm.weight": copy_map(("input_norm",), (h,)),
-        f"{p}self_attn.q_proj.weight": linear_map(("wq",), hq * d, 2 * h, (2 * h, hq, d)),
-        f"{p}self_attn.k_proj.weight": linear_map(("wk",), hkv * d, 2 * h, (2 * h, hkv, d)),
-        f"{p}self_attn.v_proj.weight": linear_map(("wv",), hkv * d, 2 * h, (2 * h, hkv, d)),
-        f"{p}self_attn.o_proj.weight": linear_map(("wo",), h, hq * d, (hq, d, h)),
-        f"{p}post_attention_layernorm.weight": copy_map(("mlp_norm",), (h,)),
-        f"{p}mlp.gate_proj.weight": linear_map(("w_gate",), i, h),
-        f"{p}mlp.up_proj.weight": linear_map(("w_up",), i, h),
-        f"{p}mlp.down_proj.weight": linear_map(("w_down",), h, i),
-        "norm.weight": copy_map(("final_norm",), (h,)),
-        "lm_head.weight": linear_map(("lm_head",), config.draft_vocab_size, h),
-    }
-    if own_embedding:
-        maps["embed_tokens.weight"] = copy_map(("embed",), (config.vocab_size, h))
-    return maps
-
-
 def save_eagle3(path: str | Path, config, params: dict, *, num_aux: int = 3, dtype: str | None = None,
                 own_embedding: bool = False) -> Path:
     """Write a draft in the SpecForge/vLLM layout: ``config.json`` + ``model.safetensors`` with ``d2t``/``t2d``
     (both omitted when the vocabularies are equal, as EAGLE does)."""
     path = Path(path)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, None: None}[dtype]
-    tensors = export_tensors(params, eagle3_tensor_maps(config, num_aux, own_embedding=own_embedding), np_dtype)
+    tensors = export_tensors(params, eagle3.param_table(config, num_aux, own_embedding=own_embedding), np_dtype)
     if config.draft_vocab_size != config.vocab_size:
         d2t = np.asarray(jax.device_get(params["d2t"]), np.int64)
         t2d = np.zeros(config.vocab_size, bool)

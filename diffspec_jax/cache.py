@@ -21,8 +21,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from diffspec_jax.config import ModelConfig
+from diffspec_jax.mesh import TP, kv_heads_for
 
 #: key tile of the chunked-prefill attention; cache capacities are rounded up to a multiple of it
 ATTENTION_TILE = 256
@@ -128,14 +130,25 @@ def create_cache(config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloa
                  ) -> KVCache | HybridCache:
     """The right cache for ``config`` (global shapes for a ``tp``-way tensor-parallel layout: heads that do not
     divide by ``tp`` are repeated, as :mod:`diffspec_jax.sharding` lays out the projections)."""
-    from diffspec_jax.sharding import kv_heads_for
-
     kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
     if not config.is_hybrid:
         return KVCache.create(config, batch, capacity, dtype, num_kv_heads=kv)
     return HybridCache.create(config, batch, capacity, dtype, num_kv_heads=kv,
                               num_linear_key_heads=kv_heads_for(config.linear_num_key_heads, tp,
                                                                 "the target's linear attention"))
+
+
+def cache_specs(config: ModelConfig, dp: str | None, tp: str | None = TP) -> KVCache | HybridCache:
+    """PartitionSpecs of the target cache of ``config`` (batch over ``dp``, heads over ``tp``)."""
+    heads = P(dp, tp, None, None)  # [B, Hkv, S, D]
+    if not config.is_hybrid:
+        n = config.num_hidden_layers
+        return KVCache(k=(heads,) * n, v=(heads,) * n)
+    nf, nl = len(config.full_attention_layers), len(config.linear_attention_layers)
+    conv = P(dp, None, tp, None)  # [B, kernel - 1, heads, head_dim]
+    return HybridCache(k=(heads,) * nf, v=(heads,) * nf, conv_q=(conv,) * nl, conv_k=(conv,) * nl,
+                       conv_v=(conv,) * nl, ssm=(P(dp, tp, None, None),) * nl,
+                       full_layers=config.full_attention_layers, linear_layers=config.linear_attention_layers)
 
 
 def write_rows(buf: jax.Array, rows: jax.Array, positions: jax.Array, *, heads_first: bool = False) -> jax.Array:

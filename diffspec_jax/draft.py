@@ -12,9 +12,12 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints_tools import hf
 from diffspec_jax.config import DraftConfig
 from diffspec_jax.errors import CheckpointError, ConfigError
 from diffspec_jax.models import eagle3
+from diffspec_jax.models import params as tables
+from diffspec_jax.outdir import verify_manifest
 from diffspec_jax.target import TargetModel, check_finite, resolve_dtype
 from diffspec_jax.validation import check_bool, check_int, read_json_object
 
@@ -57,12 +60,6 @@ def validate_against_target(config: DraftConfig, target: TargetModel, num_aux: i
     return aux
 
 
-def _weights(path: Path):
-    from checkpoints_tools import hf
-
-    return hf.WeightReader(path)
-
-
 def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_convention: str = "auto",
                aux_layer_ids: tuple[int, ...] | None = None, verify: bool = True) -> DraftModel:
     """Load an EAGLE-3 draft (SpecForge / vLLM layout) for ``target``.
@@ -82,9 +79,6 @@ def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_
         UnsupportedModelError: more than one draft layer, EAGLE-1 style or other unsupported draft variants.
         CheckpointError: missing / inconsistent files or tensors (``IntegrityError``: damaged contents).
     """
-    from checkpoints_tools import hf
-    from diffspec_jax.outdir import verify_manifest
-
     path = hf.check_dir(path)
     if not isinstance(target, TargetModel):
         raise ConfigError(f"load_draft needs the TargetModel the draft serves (from load_target), got "
@@ -103,11 +97,11 @@ def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_
         ids = tuple(check_int(i, "aux_layer_ids entry", min=0) for i in aux_layer_ids)
         config = DraftConfig(**{**config.__dict__, "aux_layer_ids": ids})
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
-    with _weights(path) as reader:
+    with hf.WeightReader(path) as reader:
         keys = set(reader.keys())
         if any(k.startswith(("layers.1.", "midlayers.1.")) for k in keys):
             raise CheckpointError(f"{path}: the checkpoint holds more than one draft layer; EAGLE-3 drafts have one")
-        prefix = next((p for p in hf.DRAFT_LAYER_PREFIXES if f"{p}self_attn.q_proj.weight" in keys), None)
+        prefix = next((p for p in eagle3.LAYER_PREFIXES if f"{p}self_attn.q_proj.weight" in keys), None)
         if prefix is None:
             raise CheckpointError(f"{path}: no draft layer found (expected midlayer.* or layers.0.* tensors)")
         if "fc.weight" not in keys:
@@ -119,12 +113,12 @@ def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_
         num_aux = fc_in // config.target_hidden_size
         aux = validate_against_target(config, target, num_aux)
         own = "embed_tokens.weight" in keys
-        maps = hf.eagle3_tensor_maps(config, num_aux, prefix, own_embedding=own)
-        params = hf.read_tensors(reader, maps, dtype, ignore=lambda k: k in ("d2t", "t2d"))
+        table = eagle3.param_table(config, num_aux, layer_prefix=prefix, own_embedding=own)
+        params = hf.read_tensors(reader, table, dtype, ignore=lambda k: k in ("d2t", "t2d"))
         params["d2t"] = _read_d2t(reader, config, path)
     if verify:  # config.json's digest once the files are known to fit it, then the values
         verify_manifest(path, only=("config.json",))
-        check_finite(params, str(path), hf.hf_names(maps), skip=("d2t",))
+        check_finite(params, str(path), tables.hf_names(table), skip=("d2t",))
     if not own:
         if config.hidden_size != target.config.hidden_size:
             raise CheckpointError(f"{path}: the draft's hidden size ({config.hidden_size}) differs from the target's "

@@ -1,6 +1,8 @@
-"""Tensor (and data) parallelism: the mesh, the sharded parameter layout, and partition specs of the state.
+"""Tensor (and data) parallelism: the sharded parameter layout of a loaded model, placed on a mesh.
 
-The model code is written for one shard (:mod:`diffspec_jax.models.llama`, :mod:`diffspec_jax.models.eagle3`);
+The layout of every parameter is declared by its model's table (its logical axes, laid out by the rules of
+:data:`diffspec_jax.models.params.AXIS_RULES`); the mesh and the KV-head rule live in :mod:`diffspec_jax.mesh`
+(re-exported here), the caches' specs in :mod:`diffspec_jax.cache`. The model code is written for one shard (:mod:`diffspec_jax.models.llama`, :mod:`diffspec_jax.models.eagle3`);
 the engine wraps whole steps in ``jax.shard_map`` over a mesh with axes ``("dp", "tp")``. Layout on the ``tp``
 axis (Megatron style):
 
@@ -21,7 +23,7 @@ axis (Megatron style):
 * The ``dp`` axis shards the batch (independent replicas); multi-host use goes through
   ``jax.distributed.initialize`` and a mesh over all processes' devices.
 
-Qwen3.5 hybrid MoE (:func:`shard_layout_qwen35`):
+Qwen3.5 hybrid MoE (its table, :func:`diffspec_jax.models.qwen35.param_table`):
 
 * Gated attention: query and gate projections column-parallel over query heads (the per-head interleaved
   ``q_proj`` is split into the two at load time), k/v over KV heads (repeated when fewer than ``tp``), ``o`` row
@@ -48,43 +50,14 @@ import weakref
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diffspec_jax.config import DraftConfig, ModelConfig
 from diffspec_jax.errors import ConfigError
-
-TP, DP = "tp", "dp"
-
-
-def make_mesh(tp: int = 1, dp: int = 1, devices: list | None = None) -> Mesh:
-    """A ``("dp", "tp")`` mesh over the first ``dp * tp`` devices (Auto axes, so jit reshards inputs as needed).
-
-    Works with CPU virtual devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``), one GPU or several;
-    with ``jax.distributed.initialize`` the devices of every process are included.
-    """
-    devices = list(devices if devices is not None else jax.devices())
-    if tp < 1 or dp < 1:
-        raise ConfigError(f"mesh sizes must be >= 1, got tp={tp}, dp={dp}")
-    if dp * tp > len(devices):
-        raise ConfigError(f"a mesh of dp={dp} x tp={tp} needs {dp * tp} devices, only {len(devices)} are visible")
-    return Mesh(np.array(devices[: dp * tp]).reshape(dp, tp), (DP, TP))
-
-
-def mesh_size(mesh: Mesh | None, axis: str) -> int:
-    return 1 if mesh is None else int(mesh.shape[axis])
-
-
-def kv_heads_for(num_kv_heads: int, tp: int, what: str) -> int:
-    """KV heads after repetition for ``tp`` shards (refusing layouts that cannot be split)."""
-    if num_kv_heads % tp == 0:
-        return num_kv_heads
-    if tp % num_kv_heads == 0:
-        return tp
-    raise ConfigError(f"tensor parallelism: {what} has {num_kv_heads} KV heads, which neither divide by tp={tp} nor "
-                      f"divide tp")
+from diffspec_jax.mesh import DP, TP, kv_heads_for, make_mesh, mesh_size  # noqa: F401 (the public names stay here)
+from diffspec_jax.models import eagle3, family
+from diffspec_jax.models import params as tables
 
 
 def check_target(config: ModelConfig, tp: int) -> None:
@@ -114,102 +87,25 @@ def check_draft(config: DraftConfig, tp: int) -> None:
     kv_heads_for(config.num_key_value_heads, tp, "the draft")
 
 
-def _pad_rows(x: jax.Array, axis: int, multiple: int) -> jax.Array:
-    pad = (-x.shape[axis]) % multiple
-    if not pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
-
-
-def _with_vocab_parallel_ends(params: dict, layers: list, specs: list, tp: int) -> tuple[dict, dict]:
-    """Assemble a target's TP params and specs: vocabulary-parallel embedding / LM head (padded to a multiple of
-    ``tp``), replicated final norm, and the given per-layer params and specs."""
-    out = {"embed": _pad_rows(params["embed"], 0, tp), "final_norm": params["final_norm"], "layers": layers}
-    spec = {"embed": P(TP, None), "final_norm": P(), "layers": specs}
-    if "lm_head" in params:
-        out["lm_head"] = _pad_rows(params["lm_head"], 1, tp)
-        spec["lm_head"] = P(None, TP)
-    return out, spec
-
-
-def _repeat_kv(w: jax.Array, heads: int) -> jax.Array:
-    """Repeat KV heads (axis 1 of ``[in, Hkv, D]``) up to ``heads``; each copy stays next to its original."""
-    return jnp.repeat(w, heads // w.shape[1], axis=1) if heads != w.shape[1] else w
+def _fused(params: dict) -> bool:
+    """Layers in the serving layout of :func:`diffspec_jax.models.llama.fuse_projections`."""
+    return bool(params["layers"]) and "wqkv" in params["layers"][0]
 
 
 def shard_layout_target(config: ModelConfig, params: dict, tp: int) -> tuple[dict, dict]:
-    """The target params in tensor-parallel layout (KV heads repeated, vocabulary padded) and their specs."""
-    if config.is_hybrid:
-        return shard_layout_qwen35(config, params, tp)
+    """The target params in tensor-parallel layout (KV heads repeated, vocabulary padded) and their specs, as
+    the family's table declares them (checkpoint or fused layout, as ``params`` are)."""
     check_target(config, tp)
-    kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
-    col, row = P(None, TP, None), P(TP, None, None)
-    layout = {"wq": col, "wk": col, "wv": col, "wo": row, "w_gate": P(None, TP), "w_up": P(None, TP),
-              "w_down": P(TP, None), "wqkv": P(None, TP, None, None), "w_gate_up": P(None, None, TP)}
-    layers, specs = [], []
-    for lp in params["layers"]:
-        if "wqkv" in lp:
-            layers.append({**lp, "wqkv": _regroup_qkv(lp["wqkv"], kv)})
-        else:
-            layers.append({**lp, "wk": _repeat_kv(lp["wk"], kv), "wv": _repeat_kv(lp["wv"], kv)})
-        specs.append({k: layout.get(k, P()) for k in lp})
-    return _with_vocab_parallel_ends(params, layers, specs, tp)
-
-
-def _regroup_qkv(w: jax.Array, groups: int) -> jax.Array:
-    """A fused ``wqkv [H, Hkv, G + 2, D]`` (:func:`diffspec_jax.models.llama.fuse_projections`) as ``groups``
-    KV groups: with more groups than KV heads, each head's G queries are split in ``r = groups / Hkv`` parts and
-    every part gets a copy of the head's key and value (the fused form of :func:`_repeat_kv`)."""
-    h, hkv, g2, d = w.shape
-    r = groups // hkv
-    if r == 1:
-        return w
-    q = w[:, :, : g2 - 2].reshape(h, hkv, r, (g2 - 2) // r, d)
-    kv = jnp.broadcast_to(w[:, :, None, g2 - 2:], (h, hkv, r, 2, d))
-    return jnp.concatenate([q, kv], axis=3).reshape(h, groups, (g2 - 2) // r + 2, d)
-
-
-#: per-leaf specs of the Qwen3.5 layers (leaves not named here are replicated)
-_QWEN35_SPECS = {
-    "wq": P(None, TP, None), "wg": P(None, TP, None), "wk": P(None, TP, None), "wv": P(None, TP, None),
-    "wo": P(TP, None, None),
-    "lin_wq": P(None, TP, None), "lin_wk": P(None, TP, None), "lin_wv": P(None, TP, None),
-    "conv_q": P(None, TP, None), "conv_k": P(None, TP, None), "conv_v": P(None, TP, None),
-    "lin_wz": P(None, TP, None), "lin_wb": P(None, TP), "lin_wa": P(None, TP), "dt_bias": P(TP), "A_log": P(TP),
-    "lin_wo": P(TP, None, None),
-    "we_gate": P(None, None, TP), "we_up": P(None, None, TP), "we_down": P(None, TP, None),
-    "ws_gate": P(None, TP), "ws_up": P(None, TP), "ws_down": P(TP, None),
-}
+    table = family(config).table(config, fused=_fused(params))
+    return tables.shard(table, params, tp), tables.partition_specs(table)
 
 
 def shard_layout_qwen35(config: ModelConfig, params: dict, tp: int) -> tuple[dict, dict]:
-    """Qwen3.5-MoE params in tensor-parallel layout (module docstring: heads sharded, experts tensor-parallel)."""
-    check_target(config, tp)
-    kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
-    lk = kv_heads_for(config.linear_num_key_heads, tp, "the target's linear attention")
-    repeat = {"wk": kv, "wv": kv, "lin_wq": lk, "lin_wk": lk, "conv_q": lk, "conv_k": lk}
-    layers, specs = [], []
-    for lp in params["layers"]:
-        layers.append({k: _repeat_kv(w, repeat[k]) if k in repeat else w for k, w in lp.items()})
-        specs.append({k: _QWEN35_SPECS.get(k, P()) for k in lp})
-    return _with_vocab_parallel_ends(params, layers, specs, tp)
-
-
-def cache_specs(config: ModelConfig, dp: str | None, tp: str | None = TP):
-    """PartitionSpecs of the target cache of ``config`` (batch over ``dp``, heads over ``tp``)."""
-    from diffspec_jax.cache import HybridCache, KVCache
-
-    heads = P(dp, tp, None, None)  # [B, Hkv, S, D]
+    """Qwen3.5-MoE params in tensor-parallel layout (module docstring: heads sharded, experts tensor-parallel);
+    :func:`shard_layout_target` of a hybrid config."""
     if not config.is_hybrid:
-        n = config.num_hidden_layers
-        return KVCache(k=(heads,) * n, v=(heads,) * n)
-    nf, nl = len(config.full_attention_layers), len(config.linear_attention_layers)
-    conv = P(dp, None, tp, None)  # [B, kernel - 1, heads, head_dim]
-    return HybridCache(k=(heads,) * nf, v=(heads,) * nf, conv_q=(conv,) * nl, conv_k=(conv,) * nl,
-                       conv_v=(conv,) * nl, ssm=(P(dp, tp, None, None),) * nl,
-                       full_layers=config.full_attention_layers, linear_layers=config.linear_attention_layers)
+        raise ConfigError(f"{config.architecture} is not a Qwen3.5 hybrid model")
+    return shard_layout_target(config, params, tp)
 
 
 def shard_layout_draft(config: DraftConfig, params: dict, tp: int) -> tuple[dict, dict]:
@@ -217,14 +113,16 @@ def shard_layout_draft(config: DraftConfig, params: dict, tp: int) -> tuple[dict
     if tp == 1:
         return params, {k: P() for k in params}
     check_draft(config, tp)
-    kv = kv_heads_for(config.num_key_value_heads, tp, "the draft")
-    col, row = P(None, TP, None), P(TP, None, None)
-    out = {**params, "wk": _repeat_kv(params["wk"], kv), "wv": _repeat_kv(params["wv"], kv),
-           "lm_head": _pad_rows(params["lm_head"], 1, tp), "embed": _pad_rows(params["embed"], 0, tp)}
-    spec = {k: P() for k in params}
-    spec.update(wq=col, wk=col, wv=col, wo=row, w_gate=P(None, TP), w_up=P(None, TP), w_down=P(TP, None),
-                lm_head=P(None, TP), embed=P(TP, None))
-    return out, spec
+    table = eagle3.param_table(config, params["fc"].shape[0] // config.target_hidden_size, own_embedding=True)
+    return tables.shard(table, params, tp), tables.partition_specs(table)
+
+
+def jit_sharded(fn, mesh: Mesh | None, in_specs: Any, out_specs: Any, donate_argnums: tuple[int, ...] = ()):
+    """``fn`` jitted, and with a mesh mapped over it per shard first (``jit(shard_map(fn))``, the model code being
+    written for one shard with explicit collectives)."""
+    if mesh is not None:
+        fn = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return jax.jit(fn, donate_argnums=donate_argnums)
 
 
 def put(tree: Any, specs: Any, mesh: Mesh) -> Any:

@@ -20,12 +20,18 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from diffspec_jax import stopping
+from checkpoints_tools import hf, orbax_io
+from diffspec_jax import cache as caches
+from diffspec_jax import sharding, stopping
 from diffspec_jax.cache import HybridCache, KVCache
 from diffspec_jax.config import ModelConfig
-from diffspec_jax.errors import ConfigError, InputError
+from diffspec_jax.errors import ConfigError, InputError, IntegrityError
 from diffspec_jax.models import attention, family, llama
+from diffspec_jax.models import params as tables
+from diffspec_jax.outdir import verify_manifest
+from diffspec_jax.validation import check_bool
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 #: the ``prefill_chunk`` default of :func:`prefill` and ``generate()``: ``None`` = :func:`default_prefill_chunk`
@@ -73,7 +79,7 @@ def abstract_params(config: ModelConfig, dtype) -> llama.Params:
     """Pytree of ``jax.ShapeDtypeStruct`` matching the family's ``param_shapes``."""
     dtype = resolve_dtype(dtype)
     return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, dtype), family(config).param_shapes(config),
-                                  is_leaf=llama.is_shape)
+                                  is_leaf=tables.is_shape)
 
 
 def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: bool = True,
@@ -104,10 +110,6 @@ def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: 
         IntegrityError: a digest that differs from the manifest, or a tensor with NaN / inf / absurd values.
         UnsupportedModelError: architecture, RoPE type or feature not supported.
     """
-    from checkpoints_tools import hf, orbax_io
-    from diffspec_jax.outdir import verify_manifest
-    from diffspec_jax.validation import check_bool
-
     path = hf.check_dir(path)
     dtype = resolve_dtype(dtype)
     fuse_projections = check_bool(fuse_projections, "fuse_projections")
@@ -128,7 +130,7 @@ def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: 
         if check is not None:
             check()
     if verify:  # both formats hold the checkpoint layout, so leaves are named by their HF tensors
-        check_finite(params, str(path), hf.hf_names(hf.target_tensor_maps(config)))
+        check_finite(params, str(path), tables.hf_names(family(config).table(config)))
     if fuse_projections and config.family == "llama":
         params = llama.fuse_layers_in_place(params)
     return TargetModel(config=config, params=params, path=str(path))
@@ -168,8 +170,6 @@ def check_finite(params: Any, where: str, names: dict[tuple, str] | None = None,
     Raises:
         IntegrityError: naming the first bad tensor (and how many are bad).
     """
-    from diffspec_jax.errors import IntegrityError
-
     flat = [(kp, x) for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]
             if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
             and not (skip and _leaf_name(kp)[:1] and _leaf_name(kp)[0] in skip)]
@@ -214,13 +214,9 @@ def _forward_jit(config: ModelConfig, params, tokens):
 
 @functools.lru_cache(maxsize=16)
 def _forward_tp(config: ModelConfig, mesh, spec_key):
-    from jax.sharding import PartitionSpec as P
-
-    from diffspec_jax import sharding
-
     specs = jax.tree_util.tree_unflatten(*spec_key)
     fn = functools.partial(family(config).forward, config, axis_name=sharding.TP)
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs, P()), out_specs=P(), check_vma=False))
+    return sharding.jit_sharded(fn, mesh, (specs, P()), P())
 
 
 def forward(model: TargetModel, token_ids: Any, *, mesh=None) -> jax.Array:
@@ -239,8 +235,6 @@ def forward(model: TargetModel, token_ids: Any, *, mesh=None) -> jax.Array:
         raise InputError(f"token_ids must be [batch, tokens], got shape {ids.shape}")
     if mesh is None:
         return _forward_jit(model.config, model.params, jnp.asarray(ids))
-    from diffspec_jax import sharding
-
     params = sharding.prepare(model, mesh, sharding.mesh_size(mesh, sharding.TP))
     leaves, treedef = jax.tree_util.tree_flatten(params)
     key = (treedef, tuple(x.sharding.spec for x in leaves))
@@ -273,9 +267,7 @@ def commit(model: TargetModel, cache, out, keep) -> Any:
 
 def create_cache(model: TargetModel, batch: int, capacity: int, dtype=None) -> KVCache | HybridCache:
     """An empty cache of the right kind for ``model`` (:class:`KVCache` or :class:`HybridCache`)."""
-    from diffspec_jax.cache import create_cache as make
-
-    return make(model.config, batch, capacity, model.dtype if dtype is None else dtype)
+    return caches.create_cache(model.config, batch, capacity, model.dtype if dtype is None else dtype)
 
 
 def default_prefill_chunk(batch: int) -> int:

@@ -3,7 +3,9 @@
 ``family(config)`` returns a :class:`Family` whose functions share one signature across families, so the target
 handle, the engine and the sharding code never branch on the architecture:
 
-* ``param_shapes(config)``, ``init_params(config, seed, dtype, scale)``: the params layout;
+* ``table(config, *, prefix=None, fused=False)``: the parameter table (:mod:`diffspec_jax.models.params`), from
+  which ``param_shapes(config)`` and ``init_params(config, seed, dtype, scale)``, the tensor-parallel layout
+  (:mod:`diffspec_jax.sharding`) and the checkpoint layout (:mod:`checkpoints_tools.hf`) are derived;
 * ``forward(config, params, tokens, *, axis_name)`` / ``forward_aux(...)``: full sequence, no cache;
 * ``step(config, params, cache, tokens, start, rows, *, aux_layers, score_layer, axis_name, num_valid,
   snapshots, tree, first_chunk)``: the cached step (prefill chunks, decode, verification). ``num_valid [B]`` says
@@ -13,19 +15,22 @@ handle, the engine and the sharding code never branch on the architecture:
 * ``commit(config, cache, out, keep)``: after acceptance, make the cache hold the state after ``keep[b]`` of the
   verified tokens (identity for pure-attention models, whose KV is truncated by length; state rollback for
   hybrid ones);
-* ``create_cache(config, batch, capacity, dtype, *, tp)`` and ``cache_specs(config, dp, tp)``;
-* ``tensor_maps(config)``: HF key -> params leaf; ``shard_layout(config, params, tp)``: the TP layout;
+* ``cache_specs(config, dp, tp)``: the partition specs of its cache (:func:`diffspec_jax.cache.create_cache`
+  builds the cache itself);
 * ``supports_tree``: whether tree verification could be used (see :func:`ensure_tree_supported`).
+
+Adding a family is one module (its table and forward functions) and one entry in :data:`FAMILIES`.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from diffspec_jax import cache
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.errors import UnsupportedModelError
+from diffspec_jax.models import llama, qwen35
 
 
 @dataclass(frozen=True)
@@ -34,23 +39,19 @@ class Family:
 
     name: str
     supports_tree: bool
+    table: Callable[..., Any]
     param_shapes: Callable[..., Any]
     init_params: Callable[..., Any]
     forward: Callable[..., Any]
     forward_aux: Callable[..., Any]
     step: Callable[..., Any]
     commit: Callable[..., Any]
-    create_cache: Callable[..., Any]
     cache_specs: Callable[..., Any]
-    tensor_maps: Callable[..., Any]
-    shard_layout: Callable[..., Any]
 
 
 def _llama_step(config, params, cache, tokens, start, rows, *, aux_layers=(), score_layer=None, axis_name=None,
                 num_valid=None, snapshots=False, tree=None, first_chunk=False):
     """Attention-only models need neither: KV rows are position-indexed and masked by length."""
-    from diffspec_jax.models import llama
-
     del num_valid, snapshots
     return llama.step(config, params, cache, tokens, start, rows, aux_layers=aux_layers, score_layer=score_layer,
                       axis_name=axis_name, tree=tree, first_chunk=first_chunk)
@@ -61,33 +62,23 @@ def _identity_commit(config, cache, out, keep):
     return cache
 
 
-@functools.lru_cache(maxsize=None)
-def _build(name: str) -> Family:
-    from checkpoints_tools import hf
-    from diffspec_jax import cache, sharding
-
-    if name == "llama":
-        from diffspec_jax.models import llama
-
-        return Family(name="llama", supports_tree=True, param_shapes=llama.param_shapes,
-                      init_params=llama.init_params, forward=llama.forward, forward_aux=llama.forward_aux,
-                      step=_llama_step, commit=_identity_commit, create_cache=cache.create_cache,
-                      cache_specs=sharding.cache_specs, tensor_maps=hf.llama_tensor_maps,
-                      shard_layout=sharding.shard_layout_target)
-    if name == "qwen3_5_moe":
-        from diffspec_jax.models import qwen35
-
-        return Family(name="qwen3_5_moe", supports_tree=qwen35.SUPPORTS_TREE, param_shapes=qwen35.param_shapes,
-                      init_params=qwen35.init_params, forward=qwen35.forward, forward_aux=qwen35.forward_aux,
-                      step=qwen35.step, commit=qwen35.commit, create_cache=cache.create_cache,
-                      cache_specs=sharding.cache_specs, tensor_maps=hf.qwen35_tensor_maps,
-                      shard_layout=sharding.shard_layout_target)
-    raise UnsupportedModelError(f"unknown model family {name!r}")
+#: every supported family by :attr:`ModelConfig.family`
+FAMILIES = {
+    "llama": Family(name="llama", supports_tree=True, table=llama.param_table, param_shapes=llama.param_shapes,
+                    init_params=llama.init_params, forward=llama.forward, forward_aux=llama.forward_aux,
+                    step=_llama_step, commit=_identity_commit, cache_specs=cache.cache_specs),
+    "qwen3_5_moe": Family(name="qwen3_5_moe", supports_tree=qwen35.SUPPORTS_TREE, table=qwen35.param_table,
+                          param_shapes=qwen35.param_shapes, init_params=qwen35.init_params, forward=qwen35.forward,
+                          forward_aux=qwen35.forward_aux, step=qwen35.step, commit=qwen35.commit,
+                          cache_specs=cache.cache_specs),
+}
 
 
 def family(config: ModelConfig) -> Family:
     """The :class:`Family` that runs ``config``."""
-    return _build(config.family)
+    if config.family not in FAMILIES:
+        raise UnsupportedModelError(f"unknown model family {config.family!r}")
+    return FAMILIES[config.family]
 
 
 def ensure_tree_supported(config: ModelConfig) -> None:

@@ -27,6 +27,7 @@ projection, no attention.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -34,24 +35,61 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffspec_jax.config import DraftConfig
+from diffspec_jax.models import params as tables
 from diffspec_jax.models.layers import (
     apply_rope, attention_dense, causal_mask, embed_lookup, gather_vocab, rms_norm, rope_cos_sin, swiglu,
 )
+from diffspec_jax.models.params import Param
 
 Params = dict[str, Any]
 
 
-def param_shapes(config: DraftConfig, num_aux: int = 3, own_embedding: bool = False) -> Params:
-    """The draft params pytree with shape tuples as leaves (``d2t`` included, int32)."""
+#: the layer prefixes EAGLE-3 drafts are published with (SpecForge ``midlayer.``, vLLM ``layers.0.``)
+LAYER_PREFIXES = ("midlayer.", "layers.0.")
+
+
+@dataclass(frozen=True)
+class RandomVocabulary:
+    """The init of ``d2t``: a random sorted subset of the target vocabulary as offsets (:func:`make_d2t`)."""
+
+    vocab_size: int
+
+    def __call__(self, rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np.ndarray:
+        return make_d2t(np.sort(rng.choice(self.vocab_size, shape[0], replace=False)))
+
+
+def param_table(config: DraftConfig, num_aux: int = 3, *, layer_prefix: str = "midlayer.",
+                own_embedding: bool = False) -> tables.Table:
+    """One :class:`~diffspec_jax.models.params.Param` per leaf (SpecForge / vLLM checkpoint names; ``d2t`` is read
+    and written apart, with its companion ``t2d``, by :mod:`diffspec_jax.draft` and
+    :func:`checkpoints_tools.hf.save_eagle3`). ``embed`` is a row only with ``own_embedding`` (else the target's
+    is shared); the draft is sharded like the target's heads, its head and embedding vocabulary-parallel."""
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
-    tree = {"fc": (num_aux * config.target_hidden_size, h), "hidden_norm": (h,), "input_norm": (h,),
-            "wq": (2 * h, hq, d), "wk": (2 * h, hkv, d), "wv": (2 * h, hkv, d), "wo": (hq, d, h),
-            "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h), "final_norm": (h,),
-            "lm_head": (h, config.draft_vocab_size), "d2t": (config.draft_vocab_size,)}
+    p, lin, norm = layer_prefix, tables.Linear(), tables.NORM
+    rows = [Param(("fc",), (num_aux * config.target_hidden_size, h), (None, None), "fc.weight", lin),
+            Param(("hidden_norm",), (h,), (None,), f"{p}hidden_norm.weight", init=norm),
+            Param(("input_norm",), (h,), (None,), f"{p}input_layernorm.weight", init=norm),
+            Param(("wq",), (2 * h, hq, d), (None, "heads", None), f"{p}self_attn.q_proj.weight", lin),
+            Param(("wk",), (2 * h, hkv, d), (None, "kv_heads", None), f"{p}self_attn.k_proj.weight", lin),
+            Param(("wv",), (2 * h, hkv, d), (None, "kv_heads", None), f"{p}self_attn.v_proj.weight", lin),
+            Param(("wo",), (hq, d, h), ("heads", None, None), f"{p}self_attn.o_proj.weight", tables.Linear(n_in=2)),
+            Param(("mlp_norm",), (h,), (None,), f"{p}post_attention_layernorm.weight", init=norm),
+            Param(("w_gate",), (h, i), (None, "mlp"), f"{p}mlp.gate_proj.weight", lin),
+            Param(("w_up",), (h, i), (None, "mlp"), f"{p}mlp.up_proj.weight", lin),
+            Param(("w_down",), (i, h), ("mlp", None), f"{p}mlp.down_proj.weight", lin),
+            Param(("final_norm",), (h,), (None,), "norm.weight", init=norm),
+            Param(("lm_head",), (h, config.draft_vocab_size), (None, "vocab"), "lm_head.weight", lin),
+            Param(("d2t",), (config.draft_vocab_size,), (None,), init=RandomVocabulary(config.vocab_size),
+                  dtype="int32")]
     if own_embedding:
-        tree["embed"] = (config.vocab_size, h)
-    return tree
+        rows.append(Param(("embed",), (config.vocab_size, h), ("vocab", None), "embed_tokens.weight"))
+    return tuple(rows)
+
+
+def param_shapes(config: DraftConfig, num_aux: int = 3, own_embedding: bool = False) -> Params:
+    """The draft params pytree with shape tuples as leaves (``d2t`` included, int32)."""
+    return tables.shapes(param_table(config, num_aux, own_embedding=own_embedding))
 
 
 def make_d2t(used_ids: np.ndarray) -> np.ndarray:
@@ -62,20 +100,11 @@ def make_d2t(used_ids: np.ndarray) -> np.ndarray:
 
 def init_params(config: DraftConfig, num_aux: int = 3, seed: int = 0, dtype=jnp.float32, scale: float = 0.08,
                 used_ids: np.ndarray | None = None, own_embedding: bool = False) -> Params:
-    """Random draft params (tests, ``make_tiny``); ``used_ids`` picks the draft vocabulary (default: random)."""
-    rng = np.random.default_rng(seed)
-    shapes = param_shapes(config, num_aux, own_embedding)
-    params: Params = {}
-    for name, shape in shapes.items():
-        if name == "d2t":
-            if used_ids is None:
-                used_ids = np.sort(rng.choice(config.vocab_size, config.draft_vocab_size, replace=False))
-            params[name] = jnp.asarray(make_d2t(used_ids), jnp.int32)
-        elif "norm" in name:
-            params[name] = jnp.asarray(1.0 + 0.2 * rng.standard_normal(shape), dtype)
-        else:
-            params[name] = jnp.asarray(scale * rng.standard_normal(shape), dtype)
-    return params
+    """Random draft params (tests, ``make_tiny``); ``used_ids`` picks the draft vocabulary (default: random).
+    Rows draw in the table's order (what the seeds of existing random drafts mean)."""
+    fixed = {("d2t",): make_d2t(used_ids)} if used_ids is not None else None
+    return tables.init(param_table(config, num_aux, own_embedding=own_embedding), seed, dtype, scale,
+                       order="declared", fixed=fixed)
 
 
 def entry_inputs(config: DraftConfig, p: Params, tokens: jax.Array, g: jax.Array, *, from_target: bool,

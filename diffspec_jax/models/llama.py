@@ -2,7 +2,8 @@
 
 Qwen3 is Llama plus a per-head RMSNorm on q and k before RoPE and an explicit ``head_dim``.
 
-Params pytree (weights ``[in, out]``; head axes explicit so tensor parallelism can split them)::
+Params pytree (weights ``[in, out]``; head axes explicit so tensor parallelism can split them; every leaf, its
+checkpoint tensor, sharding and init are declared in :func:`param_table`)::
 
     {"embed": [V, H], "final_norm": [H], "lm_head": [H, V] (absent when tied),
      "layers": [ {"attn_norm": [H], "wq": [H, Hq, D], "wk": [H, Hkv, D], "wv": [H, Hkv, D],
@@ -30,46 +31,60 @@ from flax import struct
 from diffspec_jax.cache import KVCache
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.models.attention import DENSE_ATTENTION_MAX_TOKENS, cache_attention  # noqa: F401 (re-exported)
+from diffspec_jax.models import params as tables
 from diffspec_jax.models.layers import (
     apply_rope, attention_dense, causal_mask, embed_lookup, gather_vocab, rms_norm, rope_cos_sin, swiglu,
 )
+from diffspec_jax.models.params import NORM, Linear, Param, is_shape  # noqa: F401 (is_shape re-exported)
 
 Params = dict[str, Any]
 
 
+def param_table(config: ModelConfig, *, prefix: str | None = None, fused: bool = False) -> tables.Table:
+    """One :class:`~diffspec_jax.models.params.Param` per leaf, in checkpoint order (``prefix``: the decoder's
+    key prefix, default ``"model."``). ``fused=True``: the serving layout of :func:`fuse_projections` (its
+    ``wqkv`` / ``w_gate_up`` are not checkpoint tensors: checkpoints hold the separate projections)."""
+    prefix = "model." if prefix is None else prefix
+    h, i, d, v = config.hidden_size, config.intermediate_size, config.head_dim, config.vocab_size
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    rows = [Param(("embed",), (v, h), ("vocab", None), f"{prefix}embed_tokens.weight"),
+            Param(("final_norm",), (h,), (None,), f"{prefix}norm.weight", init=NORM)]
+    if not config.tie_word_embeddings:
+        rows.append(Param(("lm_head",), (h, v), (None, "vocab"), "lm_head.weight", Linear()))
+    for n in range(config.num_hidden_layers):
+        lay, p = ("layers", n), f"{prefix}layers.{n}."
+        rows += [Param(lay + ("attn_norm",), (h,), (None,), f"{p}input_layernorm.weight", init=NORM),
+                 Param(lay + ("mlp_norm",), (h,), (None,), f"{p}post_attention_layernorm.weight", init=NORM)]
+        if fused:
+            rows.append(Param(lay + ("wqkv",), (h, hkv, hq // hkv + 2, d), (None, "kv_groups", None, None)))
+        else:
+            rows += [Param(lay + ("wq",), (h, hq, d), (None, "heads", None), f"{p}self_attn.q_proj.weight", Linear()),
+                     Param(lay + ("wk",), (h, hkv, d), (None, "kv_heads", None), f"{p}self_attn.k_proj.weight",
+                           Linear()),
+                     Param(lay + ("wv",), (h, hkv, d), (None, "kv_heads", None), f"{p}self_attn.v_proj.weight",
+                           Linear())]
+        rows.append(Param(lay + ("wo",), (hq, d, h), ("heads", None, None), f"{p}self_attn.o_proj.weight",
+                          Linear(n_in=2)))
+        if fused:
+            rows.append(Param(lay + ("w_gate_up",), (h, 2, i), (None, None, "mlp")))
+        else:
+            rows += [Param(lay + ("w_gate",), (h, i), (None, "mlp"), f"{p}mlp.gate_proj.weight", Linear()),
+                     Param(lay + ("w_up",), (h, i), (None, "mlp"), f"{p}mlp.up_proj.weight", Linear())]
+        rows.append(Param(lay + ("w_down",), (i, h), ("mlp", None), f"{p}mlp.down_proj.weight", Linear()))
+        if config.qk_norm:
+            rows += [Param(lay + ("q_norm",), (d,), (None,), f"{p}self_attn.q_norm.weight", init=NORM),
+                     Param(lay + ("k_norm",), (d,), (None,), f"{p}self_attn.k_norm.weight", init=NORM)]
+    return tuple(rows)
+
 
 def param_shapes(config: ModelConfig) -> Params:
     """The params pytree with shape tuples as leaves (the layout every loader must produce)."""
-    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    hq, hkv = config.num_attention_heads, config.num_key_value_heads
-    layer = {"attn_norm": (h,), "wq": (h, hq, d), "wk": (h, hkv, d), "wv": (h, hkv, d), "wo": (hq, d, h),
-             "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
-    if config.qk_norm:
-        layer.update(q_norm=(d,), k_norm=(d,))
-    tree: Params = {"embed": (config.vocab_size, h), "final_norm": (h,),
-                    "layers": [dict(layer) for _ in range(config.num_hidden_layers)]}
-    if not config.tie_word_embeddings:
-        tree["lm_head"] = (h, config.vocab_size)
-    return tree
-
-
-def is_shape(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+    return tables.shapes(param_table(config))
 
 
 def init_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.08) -> Params:
     """Random params (normal weights with std ``scale``; norm weights ``1 + 0.2 * normal``) for tests and demos."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, shape):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name:
-            arr = 1.0 + 0.2 * rng.standard_normal(shape)
-        else:
-            arr = scale * rng.standard_normal(shape)
-        return jnp.asarray(arr, dtype)
-
-    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config), is_leaf=is_shape)
+    return tables.init(param_table(config), seed, dtype, scale)
 
 
 @struct.dataclass

@@ -55,7 +55,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from diffspec_jax.cache import HybridCache, round_capacity
@@ -64,8 +63,10 @@ from diffspec_jax.models.layers import (
     apply_rope, embed_lookup, rope_cos_sin,
 )
 from diffspec_jax.models import llama
+from diffspec_jax.models import params as tables
 from diffspec_jax.models.attention import cache_attention
-from diffspec_jax.models.llama import StepOutput, is_shape
+from diffspec_jax.models.llama import StepOutput
+from diffspec_jax.models.params import Param
 
 Params = dict[str, Any]
 
@@ -79,52 +80,88 @@ SUPPORTS_TREE = False
 
 
 # ---------------------------------------------------------------------------------------------- params
-def param_shapes(config: ModelConfig) -> Params:
-    """The params pytree with shape tuples as leaves (the layout every loader must produce)."""
-    h, d = config.hidden_size, config.head_dim
+#: Qwen3.5's norms are zero-centred (``norm(x) * (1 + w)``): random ones lie around zero
+ZC_NORM = tables.Normal(0.0, 0.2)
+
+
+def param_table(config: ModelConfig, *, prefix: str | None = None, fused: bool = False) -> tables.Table:
+    """One :class:`~diffspec_jax.models.params.Param` per leaf, in checkpoint order (``prefix``: the decoder's
+    key prefix, default the architecture's). On disk the per-head interleaved ``q_proj`` holds query and gate,
+    ``in_proj_qkv`` / ``conv1d`` the DeltaNet q, k, v channels and ``experts.gate_up_proj`` the experts' gate and
+    up halves (the fused expert layout; :class:`checkpoints_tools.hf.FusedExpertsView` reads per-expert files).
+
+    Random init: zero-centred norms ``0.2 * normal`` (the DeltaNet output norm ``1 + 0.2 * normal``), decay rates
+    ``A = exp(A_log)`` in [0.05, 1] and ``dt_bias`` ~ 0.5 normal, so the recurrent states keep a memory of many
+    tokens (a random test model should not forget instantly). Qwen3.5 has one layout (``fused`` is refused)."""
+    if fused:
+        raise ValueError("Qwen3.5 layers have no fused serving layout")
+    prefix = config.weight_prefix if prefix is None else prefix
+    h, d, v = config.hidden_size, config.head_dim, config.vocab_size
     hq, hkv = config.num_attention_heads, config.num_key_value_heads
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     dk, dv, w = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
     e, i, s = config.num_experts, config.intermediate_size, config.shared_expert_intermediate_size
-    moe = {"mlp_norm": (h,), "router": (h, e), "we_gate": (e, h, i), "we_up": (e, h, i), "we_down": (e, i, h),
-           "ws_gate": (h, s), "ws_up": (h, s), "ws_down": (s, h), "shared_gate": (h, 1)}
-    full = {"attn_norm": (h,), "wq": (h, hq, d), "wg": (h, hq, d), "wk": (h, hkv, d), "wv": (h, hkv, d),
-            "q_norm": (d,), "k_norm": (d,), "wo": (hq, d, h), **moe}
-    linear = {"attn_norm": (h,), "lin_wq": (h, hk, dk), "lin_wk": (h, hk, dk), "lin_wv": (h, hv, dv),
-              "conv_q": (w, hk, dk), "conv_k": (w, hk, dk), "conv_v": (w, hv, dv), "lin_wz": (h, hv, dv),
-              "lin_wb": (h, hv), "lin_wa": (h, hv), "dt_bias": (hv,), "A_log": (hv,), "lin_norm": (dv,),
-              "lin_wo": (hv, dv, h), **moe}
-    layers = [dict(full if config.layer_type(n) == FULL_ATTENTION else linear)
-              for n in range(config.num_hidden_layers)]
-    tree: Params = {"embed": (config.vocab_size, h), "final_norm": (h,), "layers": layers}
+    lin, copy, swap, conv = tables.Linear(), tables.Copy(), tables.SwapLast(), tables.DepthwiseConv()
+    rows = [Param(("embed",), (v, h), ("vocab", None), f"{prefix}embed_tokens.weight"),
+            Param(("final_norm",), (h,), (None,), f"{prefix}norm.weight", init=ZC_NORM)]
     if not config.tie_word_embeddings:
-        tree["lm_head"] = (h, config.vocab_size)
-    return tree
+        rows.append(Param(("lm_head",), (h, v), (None, "vocab"), "lm_head.weight", lin))
+    for n in range(config.num_hidden_layers):
+        lay, p = ("layers", n), f"{prefix}layers.{n}."
+        rows += [Param(lay + ("attn_norm",), (h,), (None,), f"{p}input_layernorm.weight", init=ZC_NORM),
+                 Param(lay + ("mlp_norm",), (h,), (None,), f"{p}post_attention_layernorm.weight", init=ZC_NORM)]
+        if config.layer_type(n) == FULL_ATTENTION:
+            a, qg = f"{p}self_attn.", tables.Joint(axis=0, groups=hq)  # q_proj: [query | gate] rows per head
+            rows += [
+                Param(lay + ("wq",), (h, hq, d), (None, "heads", None), f"{a}q_proj.weight", lin, qg),
+                Param(lay + ("wg",), (h, hq, d), (None, "heads", None), f"{a}q_proj.weight", lin, qg),
+                Param(lay + ("wk",), (h, hkv, d), (None, "kv_heads", None), f"{a}k_proj.weight", lin),
+                Param(lay + ("wv",), (h, hkv, d), (None, "kv_heads", None), f"{a}v_proj.weight", lin),
+                Param(lay + ("wo",), (hq, d, h), ("heads", None, None), f"{a}o_proj.weight", tables.Linear(n_in=2)),
+                Param(lay + ("q_norm",), (d,), (None,), f"{a}q_norm.weight", init=ZC_NORM),
+                Param(lay + ("k_norm",), (d,), (None,), f"{a}k_norm.weight", init=ZC_NORM)]
+        else:
+            a, ch = f"{p}linear_attn.", tables.Joint(axis=0)  # q, k, v channels one after the other
+            key, val = (None, "linear_key_heads", None), (None, "linear_value_heads", None)
+            conv_init = tables.Normal(0.0, 0.3)
+            rows += [
+                Param(lay + ("lin_wq",), (h, hk, dk), key, f"{a}in_proj_qkv.weight", lin, ch),
+                Param(lay + ("lin_wk",), (h, hk, dk), key, f"{a}in_proj_qkv.weight", lin, ch),
+                Param(lay + ("lin_wv",), (h, hv, dv), val, f"{a}in_proj_qkv.weight", lin, ch),
+                Param(lay + ("conv_q",), (w, hk, dk), key, f"{a}conv1d.weight", conv, ch, conv_init),
+                Param(lay + ("conv_k",), (w, hk, dk), key, f"{a}conv1d.weight", conv, ch, conv_init),
+                Param(lay + ("conv_v",), (w, hv, dv), val, f"{a}conv1d.weight", conv, ch, conv_init),
+                Param(lay + ("lin_wz",), (h, hv, dv), val, f"{a}in_proj_z.weight", lin),
+                Param(lay + ("lin_wb",), (h, hv), (None, "linear_value_heads"), f"{a}in_proj_b.weight", lin),
+                Param(lay + ("lin_wa",), (h, hv), (None, "linear_value_heads"), f"{a}in_proj_a.weight", lin),
+                Param(lay + ("dt_bias",), (hv,), ("linear_value_heads",), f"{a}dt_bias", copy,
+                      init=tables.Normal(0.0, 0.5)),
+                Param(lay + ("A_log",), (hv,), ("linear_value_heads",), f"{a}A_log", copy,
+                      init=tables.LogUniform(0.05, 1.0)),
+                Param(lay + ("lin_norm",), (dv,), (None,), f"{a}norm.weight", init=tables.NORM),
+                Param(lay + ("lin_wo",), (hv, dv, h), ("linear_value_heads", None, None), f"{a}out_proj.weight",
+                      tables.Linear(n_in=2))]
+        m, gu = f"{p}mlp.", tables.Joint(axis=1)  # experts.gate_up_proj [E, 2I, H]: gate rows first
+        rows += [
+            Param(lay + ("we_gate",), (e, h, i), (None, None, "mlp"), f"{m}experts.gate_up_proj", swap, gu),
+            Param(lay + ("we_up",), (e, h, i), (None, None, "mlp"), f"{m}experts.gate_up_proj", swap, gu),
+            Param(lay + ("we_down",), (e, i, h), (None, "mlp", None), f"{m}experts.down_proj", swap),
+            Param(lay + ("router",), (h, e), (None, None), f"{m}gate.weight", lin),
+            Param(lay + ("ws_gate",), (h, s), (None, "mlp"), f"{m}shared_expert.gate_proj.weight", lin),
+            Param(lay + ("ws_up",), (h, s), (None, "mlp"), f"{m}shared_expert.up_proj.weight", lin),
+            Param(lay + ("ws_down",), (s, h), ("mlp", None), f"{m}shared_expert.down_proj.weight", lin),
+            Param(lay + ("shared_gate",), (h, 1), (None, None), f"{m}shared_expert_gate.weight", lin)]
+    return tuple(rows)
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The params pytree with shape tuples as leaves (the layout every loader must produce)."""
+    return tables.shapes(param_table(config))
 
 
 def init_params(config: ModelConfig, seed: int = 0, dtype=jnp.float32, scale: float = 0.08) -> Params:
-    """Random params for tests: normal weights (std ``scale``), zero-centred norms ``0.2 * normal`` (the DeltaNet
-    output norm ``1 + 0.2 * normal``), decay rates ``A = exp(A_log)`` in [0.05, 1] and ``dt_bias`` ~ 0.5 normal,
-    so the recurrent states keep a memory of many tokens (a random test model should not forget instantly)."""
-    rng = np.random.default_rng(seed)
-
-    def leaf(path, shape):
-        name = jax.tree_util.keystr(path)
-        if "lin_norm" in name:
-            arr = 1.0 + 0.2 * rng.standard_normal(shape)
-        elif "norm" in name:
-            arr = 0.2 * rng.standard_normal(shape)
-        elif "A_log" in name:
-            arr = np.log(rng.uniform(0.05, 1.0, shape))
-        elif "dt_bias" in name:
-            arr = 0.5 * rng.standard_normal(shape)
-        elif "conv_" in name:
-            arr = 0.3 * rng.standard_normal(shape)
-        else:
-            arr = scale * rng.standard_normal(shape)
-        return jnp.asarray(arr, dtype)
-
-    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config), is_leaf=is_shape)
+    """Random params for tests (the init rules of :func:`param_table`; weights normal with std ``scale``)."""
+    return tables.init(param_table(config), seed, dtype, scale)
 
 
 # ---------------------------------------------------------------------------------------------- blocks
