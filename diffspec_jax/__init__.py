@@ -25,7 +25,7 @@ from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, Inp
 if TYPE_CHECKING:  # static analysers see the eager imports
     from diffspec_jax.draft import DraftModel, load_draft
     from diffspec_jax.engine import GenerateResult, GenerateStats, generate
-    from diffspec_jax.sharding import make_mesh
+    from diffspec_jax.mesh import make_mesh
     from diffspec_jax.target import TargetModel, forward, load_target
 
 __version__ = "0.1.0"
@@ -35,7 +35,7 @@ _LAZY = {
     "DraftModel": "diffspec_jax.draft", "load_draft": "diffspec_jax.draft",
     "GenerateResult": "diffspec_jax.engine", "GenerateStats": "diffspec_jax.engine",
     "generate": "diffspec_jax.engine",
-    "make_mesh": "diffspec_jax.sharding",
+    "make_mesh": "diffspec_jax.mesh",
     "TargetModel": "diffspec_jax.target", "forward": "diffspec_jax.target", "load_target": "diffspec_jax.target",
 }
 

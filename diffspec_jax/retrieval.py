@@ -187,7 +187,3 @@ def _greedy_redundancy(score, forced, newest, summaries, n_pick, weight):
     chosen, _ = jax.lax.fori_loop(0, n_pick, body, (forced, sim_max))
     return chosen & ~forced
 
-
-def selected_set(anchors: jax.Array, root: jax.Array, chunk: int) -> jax.Array:
-    """The full selection (anchors + newest chunk) as int32 ``[B, A + 1]`` (``-1`` padded), for statistics."""
-    return jnp.concatenate([anchors, (root // chunk)[:, None].astype(jnp.int32)], axis=1)
