@@ -20,8 +20,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import ml_dtypes
+
 from checkpoints_tools import hf, orbax_io
 from diffspec_jax.errors import CheckpointError, DiffspecError, OutputDirError
+from diffspec_jax.outdir import OutputDir
+from diffspec_jax.target import load_target
 from diffspec_jax.validation import ArgumentParser, report_error
 
 TOOL = "checkpoints_tools.convert"
@@ -29,9 +33,6 @@ TOOL = "checkpoints_tools.convert"
 
 def hf_to_orbax(src: str | Path, out: str | Path, dtype: str = "bfloat16", *, overwrite: bool = False) -> Path:
     """Convert a Hugging Face target directory to an Orbax checkpoint at ``out`` (written safely)."""
-    from diffspec_jax.outdir import OutputDir
-    from diffspec_jax.target import load_target
-
     hf.check_dir(src)
     with OutputDir(out, tool=TOOL, inputs=[src], overwrite=overwrite) as work:
         model = load_target(src, dtype=dtype, fuse_projections=False)  # checkpoints keep the HF layout
@@ -41,9 +42,6 @@ def hf_to_orbax(src: str | Path, out: str | Path, dtype: str = "bfloat16", *, ov
 
 def orbax_to_hf(src: str | Path, out: str | Path, dtype: str | None = None, *, overwrite: bool = False) -> Path:
     """Export an Orbax checkpoint as a Hugging Face directory at ``out`` (written safely)."""
-    from diffspec_jax.outdir import OutputDir
-    from diffspec_jax.target import load_target
-
     hf.check_dir(src)
     with OutputDir(out, tool=TOOL, inputs=[src], overwrite=overwrite) as work:
         model = load_target(src, dtype="float32" if dtype in (None, "float32") else dtype, fuse_projections=False)
@@ -77,8 +75,6 @@ def bin_to_safetensors(path: str | Path) -> list[Path]:
             t = v.detach().contiguous()
             tensors[k] = t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
             if t.dtype == torch.bfloat16:
-                import ml_dtypes
-
                 tensors[k] = tensors[k].astype(ml_dtypes.bfloat16)
     staging = path / f".safetensors.partial-{os.getpid()}"
     staging.mkdir()

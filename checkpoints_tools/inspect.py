@@ -17,10 +17,13 @@ import math
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from checkpoints_tools import hf, orbax_io
 from diffspec_jax.errors import CheckpointError, DiffspecError, IntegrityError
+from diffspec_jax.outdir import verify_manifest
+from diffspec_jax.target import MAX_ABS_WEIGHT, check_finite
 from diffspec_jax.validation import ArgumentParser, one_line, read_json_object, report_error
 
 
@@ -56,8 +59,6 @@ def describe(path: str | Path) -> dict:
                           if k in raw}
     tensors = []
     if orbax_io.is_orbax_dir(path):
-        import jax
-
         info["format"] = "orbax"
         tree = orbax_io.stored_tree(path)
         for keypath, m in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -84,17 +85,12 @@ def verify(path: str | Path) -> dict:
         IntegrityError: the first problem (a missing manifest, a digest mismatch, a bad tensor).
         CheckpointError: a file that cannot be read.
     """
-    from diffspec_jax.outdir import verify_manifest
-    from diffspec_jax.target import MAX_ABS_WEIGHT, check_finite
-
     path = hf.check_dir(path)
     body = verify_manifest(path, required=True)
     checked = 0
     if orbax_io.is_orbax_dir(path):
         params = orbax_io.load_orbax(path)
         check_finite(params, str(path))
-        import jax
-
         checked = len(jax.tree_util.tree_leaves(params))
     elif (path / hf.SINGLE_FILE).exists() or (path / hf.INDEX_FILE).exists():
         with hf.WeightReader(path) as reader:

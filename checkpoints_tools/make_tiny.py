@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from safetensors.numpy import load_file
 
+from checkpoints_tools.hf import INDEX_FILE, SINGLE_FILE, fuse_experts, save_eagle3, save_hf, write_safetensors
 from diffspec_jax.config import DraftConfig, ModelConfig, RopeConfig
+from diffspec_jax.models import eagle3, family
 
 TINY_DEFAULTS: dict[str, dict[str, Any]] = {
     # Llama-3.1 in miniature: GQA 4/2, llama3 rope whose original context (64) is far below max positions
@@ -93,8 +98,6 @@ def _transformers_class(config: ModelConfig):
 def _random_value(name: str, p, scale: float, zero_centred: bool):
     """The random init of one torch parameter: norms never all ones (Qwen3.5's zero-centred norms ``0.2 * normal``),
     DeltaNet decay rates ``exp(A_log)`` in [0.05, 1] so the recurrent state keeps a memory of many tokens."""
-    import math
-
     import torch
 
     if "linear_attn.norm" in name:  # the one plain-weight norm of Qwen3.5
@@ -130,11 +133,6 @@ def make_tiny(out_dir: str | Path, arch: str = "llama", *, backend: str = "numpy
     if expert_layout not in ("fused", "per_expert"):
         raise ValueError(f"expert_layout must be 'fused' or 'per_expert', got {expert_layout!r}")
     if backend == "numpy":
-        import jax.numpy as jnp
-
-        from checkpoints_tools.hf import save_hf
-        from diffspec_jax.models import family
-
         params = family(config).init_params(config, seed=seed, dtype=jnp.float32, scale=scale)
         save_hf(out, config, params, dtype=dtype, max_shard_bytes=max_shard_bytes, expert_layout=expert_layout)
         transformers_config(config).save_pretrained(out)  # transformers' own config.json
@@ -162,10 +160,6 @@ def make_tiny(out_dir: str | Path, arch: str = "llama", *, backend: str = "numpy
 
 def _fuse_saved_experts(out: Path, config: ModelConfig) -> None:
     """Rewrite the per-expert tensors that ``save_pretrained`` wrote in the official fused layout."""
-    from safetensors.numpy import load_file
-
-    from checkpoints_tools.hf import INDEX_FILE, SINGLE_FILE, fuse_experts, write_safetensors
-
     if (out / INDEX_FILE).exists():
         raise ValueError("expert_layout='fused' with the transformers backend needs a single-file checkpoint")
     tensors = fuse_experts(load_file(str(out / SINGLE_FILE)), config.weight_prefix)
@@ -191,11 +185,6 @@ def make_tiny_draft(out_dir: str | Path, target: ModelConfig, *, draft_vocab_siz
 
     ``draft_vocab_size`` < the target vocabulary picks ``used_ids`` (default: random) as the draft vocabulary.
     """
-    import jax.numpy as jnp
-
-    from checkpoints_tools.hf import save_eagle3
-    from diffspec_jax.models import eagle3
-
     config = tiny_draft_config(target, draft_vocab_size, **overrides)
     params = eagle3.init_params(config, num_aux=3, seed=seed, dtype=jnp.float32, scale=scale, used_ids=used_ids,
                                 own_embedding=own_embedding)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from diffspec_jax.adaptive import check_branching
-from diffspec_jax.errors import ConfigError, UnsupportedModelError
+from diffspec_jax.errors import CheckpointError, ConfigError, UnsupportedModelError
 from diffspec_jax.validation import _is_int, _is_real, _show, check_bool, check_int, check_real, read_json_object
 
 #: architecture name -> (model_type, has per-head q/k norm)
@@ -491,8 +491,6 @@ class ModelConfig:
         path = Path(path)
         file = path if path.is_file() else path / "config.json"
         if not file.exists():
-            from diffspec_jax.errors import CheckpointError
-
             raise CheckpointError(f"no config.json found at {file}")
         return cls.from_dict(read_json_object(file), source=str(file))
 

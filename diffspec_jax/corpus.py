@@ -19,6 +19,8 @@ result can be traced to the exact data.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import platform
 import re
 import sysconfig
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from diffspec_jax.errors import ConfigError
 
 #: packages held out of training (evaluation prompts and the demo prompt come from these)
 HELD_OUT = ("argparse", "csv", "email", "http", "json", "logging", "tarfile")
@@ -90,8 +94,6 @@ class LineDeduplicator:
     dropped_chars: int = 0
 
     def __post_init__(self) -> None:
-        from diffspec_jax.errors import ConfigError
-
         if not 0.0 < self.threshold < 1.0:
             raise ConfigError(f"the deduplication threshold is a share of lines in (0, 1), got {self.threshold}")
         if self.min_chars < 1:
@@ -144,11 +146,6 @@ def installed_package_documents(names: tuple[str, ...], skip: frozenset[str] = f
     Raises:
         ConfigError when a package is not installed or is a single module rather than a package directory.
     """
-    import importlib.metadata
-    import importlib.util
-
-    from diffspec_jax.errors import ConfigError
-
     docs, versions = [], {}
     for name in names:
         spec = importlib.util.find_spec(name)
@@ -303,8 +300,6 @@ def held_out_prompts(docs: list[EncodedDocument], context: int, count: int, seed
     Raises:
         ConfigError when no document is long enough (or, for ``recall``, has a usable file header).
     """
-    from diffspec_jax.errors import ConfigError
-
     if workload not in WORKLOADS:
         raise ConfigError(f"unknown workload {workload!r}; choose from {', '.join(WORKLOADS)}")
     if workload == "recall" and not 0 < reemit < context // 4:

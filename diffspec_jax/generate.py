@@ -30,9 +30,14 @@ import time
 import types
 from pathlib import Path
 
+import jax
 import numpy as np
 
-from diffspec_jax import engine, stopping
+from diffspec_jax import demo, engine, stopping
+from diffspec_jax import target as tgt
+from diffspec_jax.draft import load_draft
+from diffspec_jax.mesh import make_mesh
+from diffspec_jax.target import check_token_ids, load_target
 from diffspec_jax.config import SamplingConfig, SpecConfig
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
 from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_int, check_stop_strings, read_text,
@@ -42,8 +47,6 @@ from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_
 def default_pair() -> tuple[Path, Path]:
     """The embedded default pair shipped in the package (``diffspec_jax/demo/pair``): a small Llama trained on
     the Python standard library and its EAGLE-3 draft (see ``MODEL_CARD.md`` there)."""
-    from diffspec_jax import demo
-
     return demo.target_dir(), demo.draft_dir()
 
 
@@ -96,8 +99,6 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
     elif args.prompt is not None:
         text = args.prompt
     if text is None:
-        from diffspec_jax import demo
-
         text = demo.prompt_text()  # the built-in long prompt: a held-out standard-library module
     if tok is None:
         raise InputError("the target directory has no tokenizer; pass --prompt-ids")
@@ -215,9 +216,6 @@ def _sampling(args, target_dir: Path) -> tuple[SamplingConfig, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from diffspec_jax.draft import load_draft
-    from diffspec_jax.target import check_token_ids, load_target
-
     try:
         if args.tp < 1:
             raise ConfigError(f"--tp must be a positive integer (devices on the tensor-parallel axis), got {args.tp}")
@@ -253,8 +251,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[sampling as {target_dir / stopping.GENERATION_CONFIG} says: temperature {sampling.temperature:g}"
                   f", top_k {sampling.top_k}, top_p {sampling.top_p:g} (--temperature 0 for greedy)]",
                   file=sys.stderr)
-        from diffspec_jax.sharding import make_mesh
-
         mesh = make_mesh(args.tp) if args.tp > 1 else None
         kwargs = dict(max_new_tokens=args.max_new_tokens, spec=spec, sampling=sampling, seed=args.seed,
                       stop_token_ids=() if args.ignore_eos else None, mesh=mesh, stop=stops or None, tokenizer=tok,
@@ -311,8 +307,6 @@ def divergence(target, prompt: list[int], base: list[int], ours: list[int]) -> d
     """Where greedy speculative output ``ours`` first differs from target-only output ``base`` (``None`` when no
     token differs), and the gap there between the two tokens' logits of the target itself (one prefill of the prompt
     and the agreed prefix, in the target's dtype)."""
-    from diffspec_jax import target as tgt
-
     j = first_divergence(base, ours)
     if j is None:
         return None
@@ -328,8 +322,6 @@ def resolve_dtype_arg(dtype: str) -> str:
     """``--dtype``: ``auto`` is float32 on the CPU and bfloat16 on accelerators; anything else is passed on."""
     if dtype != "auto":
         return dtype
-    import jax
-
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 

@@ -31,6 +31,7 @@ error, 1 = other error.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -38,10 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints_tools.hf import check_dir, save_eagle3
 from diffspec_jax.config import DraftConfig, RopeConfig
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
 from diffspec_jax.models import eagle3, family
-from diffspec_jax.target import TargetModel
+from diffspec_jax.outdir import OutputDir
+from diffspec_jax.target import TargetModel, load_target
 from diffspec_jax.training import OptimConfig, TokenStream, cast_floats, train_loop
 from diffspec_jax.validation import ArgumentParser, check_choice, check_int, check_real, read_text, report_error
 
@@ -223,8 +226,6 @@ def check_train_args(target: TargetModel, stream: TokenStream, *, steps, batch, 
 def export_draft(out: str | Path, cfg: DraftConfig, params: dict, *, dtype: str = "bfloat16",
                  history: list[dict] | None = None) -> Path:
     """Write the draft in the SpecForge / vLLM EAGLE-3 layout (+ ``training_history.json``)."""
-    from checkpoints_tools.hf import save_eagle3
-
     out = Path(out)
     save_eagle3(out, cfg, params, num_aux=len(cfg.aux_layer_ids), dtype=dtype)
     if history is not None:
@@ -254,8 +255,6 @@ def read_texts(paths: list[str], field: str = "text") -> list[str]:
 
 
 def _aux_arg(text: str) -> tuple[int, ...]:
-    import argparse
-
     try:
         ids = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -311,10 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         from transformers import AutoTokenizer
-
-        from checkpoints_tools.hf import check_dir
-        from diffspec_jax.outdir import OutputDir
-        from diffspec_jax.target import load_target
 
         check_cli_args(args)
         check_dir(args.target)

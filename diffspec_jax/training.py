@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 from flax import struct
+from tqdm.auto import tqdm
 
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.errors import ConfigError
@@ -157,8 +159,6 @@ class TrainState:
 
 
 def _manager(path: Path, keep: int = 2):
-    import orbax.checkpoint as ocp
-
     return ocp.CheckpointManager(path.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep))
 
 
@@ -177,8 +177,6 @@ def train_loop(loss_fn: Callable, params: Any, stream: TokenStream, *, steps: in
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
     mgr = None
     if ckpt_dir is not None:
-        import orbax.checkpoint as ocp
-
         mgr = _manager(Path(ckpt_dir))
         latest = mgr.latest_step()
         if latest is not None:
@@ -197,8 +195,6 @@ def train_loop(loss_fn: Callable, params: Any, stream: TokenStream, *, steps: in
     start = int(state.step)
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=steps, initial=start, unit="step", leave=False)
     t0 = time.perf_counter()
     for step in range(start, steps):
@@ -215,8 +211,6 @@ def train_loop(loss_fn: Callable, params: Any, stream: TokenStream, *, steps: in
             if bar is not None:
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
         if mgr is not None and ((step + 1) % ckpt_every == 0 or last):
-            import orbax.checkpoint as ocp
-
             mgr.save(step + 1, args=ocp.args.StandardSave(state))
     if mgr is not None:
         mgr.wait_until_finished()

@@ -45,10 +45,17 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from diffspec_jax.config import ModelConfig, RopeConfig
+from checkpoints_tools.hf import save_hf
+from checkpoints_tools.inspect import file_hashes
+from diffspec_jax.config import ModelConfig, RopeConfig, SpecConfig
 from diffspec_jax.corpus import (DEMO_PROMPT_PACKAGE, HELD_OUT, WORKLOADS, LineDeduplicator, build_corpus,
                                  copied_fraction, encode_documents, held_out_prompts, train_tokenizer)
+from diffspec_jax.draft import load_draft
+from diffspec_jax.engine import generate
 from diffspec_jax.errors import CheckpointError, ConfigError
+from diffspec_jax.outdir import OutputDir
+from diffspec_jax.target import TargetModel, load_target
+from diffspec_jax.train_draft import export_draft, train_draft
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
 from diffspec_jax.validation import ArgumentParser, check_choice, check_int, run_main
 
@@ -106,9 +113,6 @@ def initial_target(path: str | Path):
     """
     from transformers import AutoTokenizer
 
-    from checkpoints_tools.inspect import file_hashes
-    from diffspec_jax.target import load_target
-
     path = Path(path)
     model = load_target(path, "float32", fuse_projections=False)
     if not (path / "tokenizer.json").is_file():
@@ -134,8 +138,6 @@ def evaluate(target, draft, prompts_by_case: dict[tuple[str, int], list], new_to
              chunk: int) -> list[dict]:
     """Acceptance and decode speed per (workload, context, policy), beside target-only decoding of the same
     prompts (:class:`~diffspec_jax.corpus.Prompt` lists keyed by (workload, context))."""
-    from diffspec_jax import SpecConfig, generate
-
     rows = []
     cap = max(len(p.ids) for ps in prompts_by_case.values() for p in ps) + new_tokens + k + 1
     for (workload, ctx), cases in prompts_by_case.items():
@@ -298,8 +300,6 @@ def check_settings(args) -> tuple[list[int], list[str]]:
     check_int(args.max_files, "--max-files", min=1, none_ok=True)
     check_int(args.seed, "--seed", min=0)
     check_choice(args.attention, "--attention", ATTENTION)
-    from diffspec_jax.config import SpecConfig
-
     for policy in POLICIES:  # the evaluation's settings
         SpecConfig(num_speculative_tokens=args.k, draft_context_policy=policy, diffspec_chunk_size=args.chunk,
                    diffspec_token_budget=args.budget)
@@ -325,8 +325,6 @@ def check_settings(args) -> tuple[list[int], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Build the pair into ``--out``. Deliberate errors are raised (``python -m`` prints them as one line)."""
-    from diffspec_jax.outdir import OutputDir
-
     args = build_parser().parse_args(argv)
     contexts, workloads = check_settings(args)  # nothing read or written yet
     target_out = OutputDir(args.out, tool=TOOL, inputs=[args.init_target], overwrite=args.overwrite,
@@ -398,13 +396,8 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
                       "init_target": init,
                       "train_seconds": time.perf_counter() - t0,
                       "final": t_hist[-1], "history": t_hist}
-    from checkpoints_tools.hf import save_hf
-    from diffspec_jax.target import TargetModel, load_target
-
     save_hf(out / "target", tcfg, params, dtype="bfloat16", max_shard_bytes=7 << 20)  # shards < 8 MiB
     target_f32 = TargetModel(tcfg, params)
-
-    from diffspec_jax.train_draft import export_draft, train_draft
 
     n = tcfg.num_hidden_layers
     t0 = time.perf_counter()
@@ -431,8 +424,6 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     prompt_ids = argparse_ids[: min(len(argparse_ids), 10000)]
     (out / "demo_prompt.txt").write_text(tok.decode(prompt_ids))
     card["demo_prompt"] = {"source": f"held-out stdlib module {DEMO_PROMPT_PACKAGE}", "tokens": int(len(prompt_ids))}
-
-    from diffspec_jax import load_draft
 
     target = load_target(out / "target", dtype="bfloat16")
     draft = load_draft(out / "draft", target)

@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 from jax.sharding import PartitionSpec as P
 
 from diffspec_jax import sharding
@@ -191,12 +192,10 @@ def enable_compilation_cache() -> str | None:
     want = compilation_cache_setting()
     if current == want:
         return want
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
     jax.config.update("jax_compilation_cache_dir", want)
     jax.config.update("jax_persistent_cache_min_compile_time_secs",
                       min(first.min_secs, CACHE_MIN_COMPILE_SECS) if want is not None else first.min_secs)
-    cc.reset_cache()  # the cache object is created once per directory: let the next compilation open the new one
+    jax_compilation_cache.reset_cache()  # the cache object is created once per directory: let the next compilation open the new one
     first.applied = want
     return want
 

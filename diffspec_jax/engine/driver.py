@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
 
 from diffspec_jax import sharding
 from diffspec_jax.cache import round_capacity
@@ -361,8 +362,6 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     clock = _CompileClock()
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=real * max_new_tokens, unit="tok", leave=False)
     texts = None
     if tokenizer is not None:
