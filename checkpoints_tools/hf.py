@@ -154,33 +154,27 @@ class WeightReader:
     def files(self) -> list[Path]:
         return sorted(set(self._file_of.values()))
 
-    def _slice(self, name: str):
+    def _read(self, name: str, what: str):
+        """``handle.get_slice(name)`` or ``handle.get_tensor(name)`` of the file holding ``name``, every error a
+        :class:`CheckpointError`."""
         if name not in self._file_of:
             raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
         file = self._file_of[name]
         try:
-            return self._handle(file).get_slice(name)
+            return getattr(self._handle(file), what)(name)
         except CheckpointError:
             raise
         except Exception as exc:
             raise _damaged(file, exc, name) from exc
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slice(name).get_shape())
+        return tuple(self._read(name, "get_slice").get_shape())
 
     def dtype(self, name: str) -> str:
-        return self._slice(name).get_dtype()
+        return self._read(name, "get_slice").get_dtype()
 
     def get(self, name: str) -> np.ndarray:
-        if name not in self._file_of:
-            raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
-        file = self._file_of[name]
-        try:
-            return self._handle(file).get_tensor(name)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise _damaged(file, exc, name) from exc
+        return self._read(name, "get_tensor")
 
 
 # ------------------------------------------------------------------------------------------- tables <-> disk
