@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import sys
 
+from diffspec_jax.draft import load_draft
 from diffspec_jax.errors import ConfigError, DiffspecError
 from diffspec_jax.generate import (_tokenizer, add_model_arguments, add_spec_arguments, model_dirs, resolve_dtype_arg,
                                    spec_from_args)
+from diffspec_jax.serving.scheduler import EngineConfig, SlotEngine
+from diffspec_jax.stopping import generation_defaults
+from diffspec_jax.target import load_target
 from diffspec_jax.validation import ArgumentParser, check_int, read_text, report_error
 
 
@@ -56,8 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         check_int(args.port, "--port", min=0, max=65535)
         target_dir, draft_dir, embedded = model_dirs(args)
         spec = spec_from_args(args)
-        from diffspec_jax.serving.scheduler import EngineConfig
-
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               prefill_chunk=args.prefill_chunk, block_cycles=args.block_cycles,
                               max_waiting=args.max_waiting, request_timeout=args.request_timeout)
@@ -69,11 +71,6 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             raise ConfigError(f"the server needs the serve extra ({exc.name} is missing): pip install "
                               f"'diffspec-jax[serve]'") from None
-        from diffspec_jax.draft import load_draft
-        from diffspec_jax.serving.scheduler import SlotEngine
-        from diffspec_jax.stopping import generation_defaults
-        from diffspec_jax.target import load_target
-
         tok = _tokenizer(target_dir)
         if tok is None:
             raise ConfigError(f"{target_dir} has no tokenizer (tokenizer.json / tokenizer_config.json): the server "

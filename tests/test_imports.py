@@ -36,6 +36,8 @@ EXCEPTIONS = {
     ("diffspec_jax.torch_bridge", "jax"): "the bridge runs in torch-only processes; only to_jax needs JAX",
     ("pallas_kernels", "jax.experimental.pallas.triton"): "the Triton lowering: GPUs only",
     ("diffspec_jax.models.attention", "jax._src.cudnn"): "JAX's cuDNN binding: GPUs only",
+    ("diffspec_jax.serve", "diffspec_jax.serving.app"): "the FastAPI app needs the serve extra; serve.py reports "
+                                                        "its absence as a usage error",
 }
 
 
