@@ -419,7 +419,7 @@ def self_draft_case(target, ctx, batch, dec_s, args) -> dict:
         ph = {"dc": st.draft_cache}
         slim = st.replace(draft_cache=None)
 
-        def prop_call():
+        def prop_call(propose=propose, slim=slim):
             drafts, ph["dc"] = propose(slim, ph["dc"], jax.random.PRNGKey(0))
             return drafts
 

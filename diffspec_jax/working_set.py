@@ -45,6 +45,8 @@ from diffspec_jax.working_cache import history_indices
 UNBUILT = -2
 #: window positions sort after anchor positions in :func:`layout` (positions stay far below it)
 _WINDOW_KEY = 1 << 30
+#: the slots per layer are a multiple of this
+WIDTH_MULTIPLE = 64
 
 
 @struct.dataclass
@@ -92,10 +94,6 @@ class WorkingSet:
         heads, row, n = P(dp, tp, None, None), P(dp), len(config.full_attention_layers)
         return cls(k=(heads,) * n, v=(heads,) * n, pos=P(dp, None), n_anchor=row, count=row, ptr=row,
                    built=P(dp, None))
-
-
-#: the slots per layer are a multiple of this
-WIDTH_MULTIPLE = 64
 
 
 def width(spec: SpecConfig) -> int:
@@ -166,7 +164,7 @@ def refresh(ws: WorkingSet, target_cache, anchors: jax.Array, length: jax.Array,
 
 
 def append(ws: WorkingSet, target_cache, start: jax.Array, num: jax.Array, active: jax.Array, max_new: int
-                ) -> WorkingSet:
+           ) -> WorkingSet:
     """Put the target's K/V of positions ``start .. start + num - 1`` (``num <= max_new``) into the ring of the
     ``active`` rows, oldest first, overwriting the ring's oldest rows; when more than the ring's ``R`` slots arrive
     at once only the newest ``R`` are written (the others would be overwritten at once)."""

@@ -54,6 +54,20 @@ def test_greedy_self_draft_equals_target_only(arch, policy, targets, prompts, ba
         assert s.retrieval is None
 
 
+def test_self_draft_on_a_tensor_and_data_parallel_mesh_equals_one_device(targets, prompts):
+    """TP 2 x DP 2 on four CPU devices: the working set is sharded over KV heads like the target cache, and every
+    rank selects, drafts and accepts as one device does."""
+    from diffspec_jax import make_mesh
+
+    spec = SpecConfig(draft_context_policy="diffspec", **SMALL)
+    one = generate(targets["llama"], "self", prompts, max_new_tokens=16, spec=spec, stop_token_ids=())
+    res = generate(targets["llama"], "self", prompts, max_new_tokens=16, spec=spec, stop_token_ids=(),
+                   mesh=make_mesh(tp=2, dp=2))
+    assert res.tokens == one.tokens
+    assert res.stats.acceptance_length_per_sequence == one.stats.acceptance_length_per_sequence
+    assert res.stats.retrieval["aggregate"]["ranks_agree"]
+
+
 def test_greedy_self_draft_of_a_hybrid_target_equals_target_only():
     """Qwen3.5 (3 Gated DeltaNet layers + 1 attention layer): the draft steps read the attention layer's working set
     and advance a copy of the DeltaNet states, which verification never sees."""
