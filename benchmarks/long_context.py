@@ -19,6 +19,13 @@ Per (context, batch):
 * the bytes a target decode step must move (every weight except the embedding table, of which B rows are read, plus
   the KV up to the context) over the copy bandwidth measured in the same run: the HBM floor.
 
+``--draft self`` measures self-drafting instead of the EAGLE-3 draft (docs/self_drafting.md): per (context, batch) the
+target's decode and verify steps, and per ``--self-budgets`` working-set size one self-draft step (the target's step
+over its working set), the K proposals with the working set's update, its rebuild after a new selection, the
+retrieval call and a whole self-drafting cycle; the self-draft step over the target's decode step, and projected
+speedups at given acceptance lengths and at the self-drafting acceptance ``paired.py --draft self`` measured on the
+demo target (``--self-acceptance``; indicative only: another model).
+
 ``--peer`` adds Hugging Face ``transformers`` (torch, sdpa) decoding the same weights at the same context (batch 1)
 in a child process (so the two frameworks never share the GPU's memory pools): eager with the default dynamic cache,
 and ``--peer-compiled`` ``StaticCache`` + ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). The child rebuilds
@@ -63,6 +70,10 @@ TARGET_FLOOR_RATIO, TARGET_VS_COMPILED, TARGET_VS_EAGER = 1.3, 3.0, 8.0
 TARGET_DRAFT_FLAT, TARGET_RETRIEVAL_SHARE = 1.1, 0.05
 #: issue 22's targets
 TARGET_PREFILL_64K_S, TARGET_PREFILL_PEAK_FRACTION, TARGET_VERIFY_OVER_DECODE = 3.3, 0.65, 1.15
+#: issue 28's target: the self-draft step at a 2K budget costs at most this share of the target step at 64K x 8
+TARGET_SELF_STEP_SHARE = 0.5
+#: the self-drafting acceptance (``paired.py --draft self`` on the demo target) the projections use by default
+SELF_PAIRED = REPO / "benchmarks" / "results" / "paired_self_demo_cpu.json"
 PEER_PREFIX = "PEER_JSON "
 RANDOM_NOTE = ("random weights: every timing is valid, acceptance is meaningless; speedups are projected from the "
                "measured cycle times at given acceptance lengths")
@@ -348,6 +359,108 @@ def anatomy(target, dcfg, dparams, ctx, batch, args):
     gc.collect()
 
     return _derived(out, stats, tc, ctx, batch, args)
+
+
+def self_draft_case(target, ctx, batch, dec_s, args) -> dict:
+    """Self-drafting at one (context, batch), per working-set budget: one self-draft step, the K proposals (working
+    set appended, as on most cycles), a rebuild (gather of the whole history, after a new selection), the retrieval
+    call and a whole cycle (state donated; the committed length is put back after each), and projections against
+    the target's decode step ``dec_s``."""
+    from diffspec_jax import engine, working_set
+    from diffspec_jax.config import SamplingConfig, SpecConfig
+    from diffspec_jax.engine.self_draft import self_draft_spec, self_propose
+    from diffspec_jax.models import llama
+    from pallas_kernels import dispatch
+
+    tc, k, t = target.config, args.k, args
+    active = jnp.ones((batch,), bool)
+    length = np.full((batch,), ctx, np.int32)
+    acceptance = self_acceptance(args.self_acceptance)
+    out = {}
+    for budget in [int(x) for x in args.self_budgets.split(",")]:
+        spec = self_draft_spec(SpecConfig(num_speculative_tokens=k, draft_context_policy="diffspec",
+                                          diffspec_chunk_size=args.chunk, diffspec_token_budget=budget,
+                                          diffspec_retrieval_interval=args.interval), tc)
+        plan = engine.Plan(target=tc, draft=None, spec=spec, sampling=SamplingConfig(), aux_layers=(),
+                           capacity=ctx + 64 * (k + 1) + 64, kernels=dispatch.kernel_backend(), self_draft=True)
+        fns, stats = engine.compiled(plan), {}
+        holder = {"s": _filled_state(plan, batch, ctx)}
+        for _ in range(2):  # a verification fills the scoring query and LSE; then a selection, and its rebuild
+            s, *_ = fns.cycle(target.params, None, holder["s"], active)
+            holder["s"] = s.replace(length=jnp.asarray(length))
+            holder["s"], _ = fns.retrieve(target.params, None, holder["s"], active)
+        del s
+
+        def ret_call(holder=holder):
+            holder["s"], anchors = fns.retrieve(target.params, None, holder["s"], active)
+            return anchors
+
+        stats["retrieve"] = pipelined(ret_call, repeats=t.repeats, inner=t.inner)
+        st = holder.pop("s")
+        ws, hb = st.draft_cache, spec.history_budget
+        step = jax.jit(functools.partial(llama.step, tc), donate_argnums=(1,))
+        cache = {"c": st.target_cache.replace(k=ws.k, v=ws.v)}
+        toks, rows = jnp.ones((batch, 1), jnp.int32), jnp.zeros((batch, 1), jnp.int32)
+        start, pos = jnp.full((batch,), hb, jnp.int32), jnp.full((batch, 1), ctx, jnp.int32)
+
+        def step_call(c=cache):
+            o, c["c"] = step(target.params, c["c"], toks, start, rows, rope_positions=pos)
+            return o.logits
+
+        stats["self_step"] = pipelined(step_call, repeats=t.repeats, inner=t.inner)
+        st = st.replace(draft_cache=ws.replace(k=cache["c"].k, v=cache["c"].v))
+        del cache, step_call
+
+        def prop(slim, dcache, key):
+            drafts, _, new, *_ = self_propose(plan, target.params, slim.replace(draft_cache=dcache), active, key)
+            return drafts, new
+
+        propose = jax.jit(prop, donate_argnums=(1,))
+        ph = {"dc": st.draft_cache}
+        slim = st.replace(draft_cache=None)
+
+        def prop_call(propose=propose, slim=slim):
+            drafts, ph["dc"] = propose(slim, ph["dc"], jax.random.PRNGKey(0))
+            return drafts
+
+        stats["self_propose"] = pipelined(prop_call, repeats=t.repeats, inner=t.inner)
+        anchors = st.retrieval.anchors
+        stats["rebuild"], dc = device_loop(
+            lambda w, c: working_set.rebuild(w, c[0], c[1], c[2], args.chunk), ph.pop("dc"),
+            (st.target_cache, anchors, st.length), iters=t.iters, repeats=t.repeats, donate=True)
+        del slim, prop_call, propose
+        cyc, _ = _time_cycle(fns, target.params, None, st.replace(draft_cache=dc), active, ctx, t)
+        stats["cycle"], stats["cycle_blocking"] = cyc["pipelined"], cyc["blocking"]
+        del st, dc, cyc
+        gc.collect()
+        row = {name + "_s": v["median_s"] for name, v in stats.items()}
+        row["stats"] = stats
+        row["working_set_slots"] = working_set.width(spec)
+        row["self_step_over_target_step"] = row["self_step_s"] / dec_s
+        row["cycle_with_retrieval_s"] = row["cycle_s"] + (row["retrieve_s"] + row["rebuild_s"]) / args.interval
+        row["projected_speedup"] = {str(a): a * dec_s / row["cycle_with_retrieval_s"] for a in PROJECTION_ACCEPTANCE}
+        if acceptance:  # recent: the same cycle without retrieval and rebuilds
+            row["projected_speedup_measured_acceptance"] = {
+                "acceptance": acceptance,
+                "self-diffspec": acceptance["self-diffspec"] * dec_s / row["cycle_with_retrieval_s"],
+                "self-recent": acceptance["self-recent"] * dec_s / row["cycle_s"]}
+        out[str(budget)] = row
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def self_acceptance(path: str | None) -> dict | None:
+    """Mean acceptance of ``self-diffspec`` and ``self-recent`` at the longest context of a ``paired.py --draft
+    self`` JSON (``None`` when there is none)."""
+    try:
+        p = Path(path) if path else SELF_PAIRED
+        data = json.loads(p.read_text())
+        case = max(data["cases"], key=lambda c: c["context"])
+        acc = {m: case["methods"][m]["mean_acceptance_length"]["median"] for m in ("self-diffspec", "self-recent")}
+        return {**acc, "context": case["context"], "workload": data["settings"]["workload"],
+                "source": str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)}
+    except (OSError, KeyError, ValueError, TypeError):
+        return None
 
 
 def _derived(out, stats, tc, ctx, batch, args):
@@ -690,6 +803,11 @@ def finalize(payload: dict) -> dict:
                          for c in sorted(cases.values(), key=lambda c: (c["batch"], c["context"]))},
             "met": worst["verify_over_decode"] <= TARGET_VERIFY_OVER_DECODE}
     _prefill_targets(payload, targets)
+    c648 = cases.get((65536, 8), {}).get("self_draft", {}).get("2048")
+    if c648:
+        r = c648["self_step_over_target_step"]
+        targets[f"self_step_2k_le_{TARGET_SELF_STEP_SHARE:g}x_target_step_64k_b8"] = {
+            "value": r, "met": r <= TARGET_SELF_STEP_SHARE}
     payload["targets"] = targets
     ms = lambda x: None if x is None else round(x * 1e3, 3)  # noqa: E731
     us = lambda x: None if x is None else round(x * 1e6, 1)  # noqa: E731
@@ -704,7 +822,13 @@ def finalize(payload: dict) -> dict:
          "retrieval_share_pct": round(100 * c["retrieval_share_of_cycle"], 2) if c in full.values() else None,
          "cycle_full": ms(c.get("cycle_full_s")), "cycle_diffspec": ms(c.get("cycle_diffspec_with_retrieval_s")),
          "speedup_at_3": {k: round(v, 2) for k, v in c["projected_speedup"]["3.0"].items()}
-         if "projected_speedup" in c else None}
+         if "projected_speedup" in c else None,
+         "self": {b: {"step": ms(r["self_step_s"]), "step_over_decode": round(r["self_step_over_target_step"], 3),
+                      "cycle": ms(r["cycle_with_retrieval_s"]),
+                      "speedup_measured": {m: round(v, 2) for m, v in
+                                           r.get("projected_speedup_measured_acceptance", {}).items()
+                                           if m != "acceptance"} or None}
+                  for b, r in c["self_draft"].items()} if "self_draft" in c else None}
         for c in sorted(cases.values(), key=lambda c: (c["batch"], c["context"]))]
     payload["rechecks_summary_ms"] = [
         {"context": c["context"], "batch": c["batch"], "decode": ms(c["target_decode_step_s"]),
@@ -805,6 +929,17 @@ def plot(payload: dict, path: Path) -> str | None:
             ax[0, 0].set_yscale("log")
             log_yticks(ax[0, 0])
         ax[0, 0].set(title="Prefill, batch 1 (labels: share of the matmul peak)", ylabel="seconds")
+    if any("self_draft" in c for c in cases):  # --draft self: the self-draft step beside the target's decode step
+        ax[0, 0].clear()
+        for b in batches:
+            rows = sorted((c for c in cases if c["batch"] == b and "self_draft" in c), key=lambda c: c["context"])
+            x = [kctx(c) for c in rows]
+            ax[0, 0].plot(x, [c["target_decode_step_s"] * 1e3 for c in rows], "o-", color=colors[b],
+                          label=f"target decode step, batch {b}")
+            for i, budget in enumerate(rows[0]["self_draft"] if rows else ()):
+                ax[0, 0].plot(x, [c["self_draft"][budget]["self_step_s"] * 1e3 for c in rows], ("s", "x")[i % 2] + "--",
+                              color=colors[b], label=f"self-draft step, budget {budget}, batch {b}")
+        ax[0, 0].set(title="Self-draft step (target over its working set) vs target step", ylabel="ms")
     ax[0, 1].set(title="Target decode step vs HBM floor", ylabel="ms")
     peers = sorted((p for p in payload["peer"] if "ours_decode_step_s" in p), key=lambda p: p["context"])
     if peers:
@@ -880,9 +1015,17 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", action="store_true",
                     help="also time prefill through generate() per case (TFLOP/s against the matmul peak)")
     ap.add_argument("--prefill-repeats", type=int, default=1, help="timed prefill calls after the compiling one")
+    ap.add_argument("--draft", default=None, choices=["self"],
+                    help="self: measure self-drafting (the target over its working set) instead of the EAGLE-3 draft")
+    ap.add_argument("--self-budgets", default="2048,4096", help="--draft self: working-set budgets (tokens)")
+    ap.add_argument("--self-acceptance", default=None,
+                    help=f"--draft self: a paired.py --draft self JSON whose acceptance the projections use "
+                         f"(default {SELF_PAIRED.relative_to(REPO)})")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/long_context.json")
     args = ap.parse_args(argv)
+    if args.draft == "self":  # the EAGLE-3 draft's parts are not measured
+        args.steps_only = True
     if args.plot_only:
         path = Path(args.plot_only)
         print(plot(finalize(json.loads(path.read_text())), path.with_suffix(".png")))
@@ -986,6 +1129,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         try:
             row = anatomy(target, dcfg, dparams, ctx, b, args)
+            if args.draft == "self":
+                row["self_draft"] = self_draft_case(target, ctx, b, row["target_decode_step_s"], args)
         except Exception as e:  # recorded; a failure before any case succeeded ends the run (fail fast)
             payload["not_run"].append({"context": ctx, "batch": b, "error": f"{type(e).__name__}: {e}"[:2000]})
             write(payload, out)

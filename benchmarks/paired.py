@@ -3,8 +3,13 @@
     python benchmarks/paired.py --contexts 2048,8192,16384 --new-tokens 256 --repeats 3 \\
         --out benchmarks/results/paired_demo_h200.json            # the demo pair (default models)
     python benchmarks/paired.py --target T --draft D ...           # any pair
+    python benchmarks/paired.py --draft self ...                   # self-drafting (+ the demo pair's DiffSpec)
 
-Methods: ``target`` (autoregressive, the reference), ``eagle3-full``, ``eagle3-recent``, ``diffspec``. For each
+Methods: ``target`` (autoregressive, the reference), ``eagle3-full``, ``eagle3-recent``, ``diffspec``, and the
+target drafting for itself (``generate(target, "self")``, docs/self_drafting.md) over its sink chunk + recent window
+(``self-recent``), DiffSpec's selected chunks + sink + window (``self-diffspec``) or its full cache (``self-full``),
+all at ``--budget``. ``--draft self`` runs ``target,self-recent,self-diffspec`` (and ``diffspec``, from the demo
+pair's EAGLE-3 draft, when no ``--target`` is given). For each
 context length the same prompts (``--workload``: ``windows``, random windows of the held-out packages, or
 ``recall``, windows that end by re-emitting a file they hold at least 3/4 of the context back; see
 :func:`diffspec_jax.corpus.held_out_prompts`; hashes recorded) go through every method; after
@@ -42,9 +47,14 @@ from checkpoints_tools.inspect import file_hashes  # noqa: E402
 from diffspec_jax.corpus import WORKLOADS  # noqa: E402
 
 METHODS = ("target", "eagle3-full", "eagle3-recent", "diffspec")
+#: the target drafting for itself (no draft model), per working-set policy
+SELF_METHODS = ("self-recent", "self-diffspec", "self-full")
 #: every method: ``<x>-tree`` is method x with tree drafting + tree verification (``--tree-nodes``, ``--tree-topk``)
-ALL_METHODS = METHODS + ("eagle3-full-tree", "eagle3-recent-tree", "diffspec-tree")
-POLICY = {"eagle3-full": "full", "eagle3-recent": "recent", "diffspec": "diffspec"}
+ALL_METHODS = METHODS + ("eagle3-full-tree", "eagle3-recent-tree", "diffspec-tree") + SELF_METHODS
+POLICY = {"eagle3-full": "full", "eagle3-recent": "recent", "diffspec": "diffspec", "self-recent": "recent",
+          "self-diffspec": "diffspec", "self-full": "full"}
+#: methods whose acceptance is compared with every other speculative method's (:func:`comparisons`)
+COMPARED = ("diffspec", "self-diffspec")
 
 
 def build_prompts(ids: np.ndarray, context: int, count: int, seed: int) -> list[list[int]]:
@@ -76,7 +86,8 @@ def run_method(method, target, draft, prompts, args):
                          diffspec_verification_mode="tree" if tree else "auto",
                          diffspec_max_tree_nodes=args.tree_nodes, diffspec_tree_topk=args.tree_topk)
     t0 = time.perf_counter()
-    res = dj.generate(target, None if method == "target" else draft, prompts, max_new_tokens=args.new_tokens,
+    drafter = None if method == "target" else "self" if method in SELF_METHODS else draft
+    res = dj.generate(target, drafter, prompts, max_new_tokens=args.new_tokens,
                       spec=spec, stop_token_ids=(), max_cache_len=args.cache_len)
     total = time.perf_counter() - t0
     s = res.stats
@@ -144,9 +155,10 @@ def paired_difference(a: list[float], b: list[float], seed: int = 0, resamples: 
 
 
 def comparisons(case: dict, methods: list[str], seed: int) -> dict:
-    """``paired_difference`` of each DiffSpec method against every other speculative method of the case."""
+    """``paired_difference`` of each DiffSpec method (EAGLE-3 or self-drafting) against every other speculative
+    method of the case."""
     per = {m: case["methods"][m]["acceptance_length_per_prompt"] for m in methods[1:]}
-    return {f"{a} vs {b}": paired_difference(per[a], per[b], seed) for a in per if a.startswith("diffspec")
+    return {f"{a} vs {b}": paired_difference(per[a], per[b], seed) for a in per if a.startswith(COMPARED)
             for b in per if b != a and None not in per[a] + per[b]}
 
 
@@ -206,7 +218,7 @@ def plot(payload: dict, path: Path, seed: int = 0) -> str | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=None, help="target directory (default: the demo pair)")
-    ap.add_argument("--draft", default=None)
+    ap.add_argument("--draft", default=None, help="EAGLE-3 draft directory, or 'self' (self-drafting methods)")
     ap.add_argument("--prompt-source", default=None, help="a text file to cut windows from instead of the held-out "
                                                           "packages of the demo pair's corpus")
     ap.add_argument("--workload", default="windows", choices=WORKLOADS,
@@ -217,8 +229,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--methods", default=",".join(METHODS),
-                    help=f"comma-separated, 'target' first; any of {', '.join(ALL_METHODS)}")
+    ap.add_argument("--methods", default=None,
+                    help=f"comma-separated, 'target' first; any of {', '.join(ALL_METHODS)} (default: "
+                         f"{','.join(METHODS)}; with --draft self: target,self-recent,self-diffspec[,diffspec])")
     ap.add_argument("--tree-nodes", type=int, default=50, help="tree methods: nodes per verification")
     ap.add_argument("--tree-topk", type=int, default=8, help="tree methods: frontier width")
     ap.add_argument("--budget", type=int, default=2048)
@@ -227,9 +240,16 @@ def main(argv=None) -> int:
     ap.add_argument("--scoring-layer", type=int, default=None, help="target layer that scores chunks (default: last)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tie-tolerance", type=float, default=None)
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip the warm-up run of each method (acceptance studies: generate() times compilation "
+                         "apart anyway, but the first run's timings are colder)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/paired.json")
     args = ap.parse_args(argv)
+    self_draft = args.draft == "self"
+    if args.methods is None:
+        args.methods = ",".join(("target", "self-recent", "self-diffspec") + (() if args.target else ("diffspec",))
+                                if self_draft else METHODS)
     methods = args.methods.split(",")
     if methods[0] != "target" or any(m not in ALL_METHODS for m in methods):
         raise SystemExit(f"--methods must start with 'target' and use only {', '.join(ALL_METHODS)}")
@@ -240,11 +260,12 @@ def main(argv=None) -> int:
                                      held_out_prompts)
 
     tdir = Path(args.target) if args.target else demo.target_dir()
-    ddir = Path(args.draft) if args.draft else (demo.draft_dir() if not args.target else None)
-    if ddir is None:
-        raise SystemExit("--draft is required with --target")
+    ddir = Path(args.draft) if args.draft and not self_draft else (demo.draft_dir() if not args.target else None)
+    eagle = [m for m in methods[1:] if m not in SELF_METHODS]
+    if ddir is None and eagle:
+        raise SystemExit(f"methods {', '.join(eagle)} need an EAGLE-3 draft: --draft DIR (with --target)")
     target = dj.load_target(tdir, dtype=args.dtype)
-    draft = dj.load_draft(ddir, target)
+    draft = dj.load_draft(ddir, target) if ddir is not None else None
     target_f32 = dj.load_target(tdir, dtype="float32") if args.tie_tolerance is not None else None
     contexts = [int(c) for c in args.contexts.split(",")]
     docs = None  # held-out documents, unless prompts come from random ids or a text file
@@ -271,7 +292,8 @@ def main(argv=None) -> int:
     payload = {"benchmark": "paired speculative decoding", "environment": environment(sys.argv),
                "settings": vars(args),
                "models": {"target": {"path": str(tdir), "config": target.config.to_hf_dict(), "files": file_hashes(tdir)},
-                          "draft": {"path": str(ddir), "config": draft.config.to_hf_dict(), "files": file_hashes(ddir)}},
+                          "draft": {"path": str(ddir), "config": draft.config.to_hf_dict(), "files": file_hashes(ddir)}
+                          if draft is not None else None},
                "inputs": input_desc, "cases": [], "equality": "strict" if args.tie_tolerance is None else
                f"near-ties within {args.tie_tolerance} allowed"}
     failed = False
@@ -287,7 +309,7 @@ def main(argv=None) -> int:
                 "methods": {}, "mismatches": {}}
         if held is not None:
             case["prompts"] = [p.describe() for p in held]
-        for m in methods:  # warm-up: compile every method once
+        for m in methods if not args.no_warmup else ():  # warm-up: compile every method once
             run_method(m, target, draft, prompts, args)
         rows = {m: [] for m in methods}
         outputs = {}

@@ -5,6 +5,7 @@ Examples::
     python -m diffspec_jax.generate                                  # the embedded default pair
     python -m diffspec_jax.generate --target T --draft D --prompt "def main():" --max-new-tokens 128
     python -m diffspec_jax.generate --target T --draft D --prompt-file long.py --policy diffspec --json
+    python -m diffspec_jax.generate --target T --draft self --prompt-file long.py   # the target drafts for itself
 
 The tokenizer (and, with ``--chat``, its chat template) comes from the target directory through
 ``transformers.AutoTokenizer`` when the directory has one; otherwise prompts are given as ids
@@ -116,7 +117,9 @@ def add_model_arguments(ap) -> None:
     """``--target``, ``--draft``, ``--no-draft`` and ``--dtype`` (shared by the command-line tools that decode:
     this one and ``python -m diffspec_jax.serve``); :func:`model_dirs` reads them."""
     ap.add_argument("--target", help="Hugging Face or Orbax target directory (default: the embedded pair)")
-    ap.add_argument("--draft", help="EAGLE-3 draft directory (default: the embedded pair's draft, if no --target)")
+    ap.add_argument("--draft", help="EAGLE-3 draft directory (default: the embedded pair's draft, if no --target), "
+                                    "or 'self' (this command only): the target drafts for itself over its "
+                                    "working set (docs/self_drafting.md; a directory named self is ./self)")
     ap.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
     ap.add_argument("--dtype", default="auto",
                     help="auto | bfloat16 | float32. auto: float32 on the CPU, bfloat16 on accelerators (XLA:CPU "
@@ -124,18 +127,23 @@ def add_model_arguments(ap) -> None:
                          "which made bfloat16 decoding of the demo pair 3x slower than float32 on a 2-core CPU)")
 
 
-def model_dirs(args) -> tuple[Path, Path | None, bool]:
+def model_dirs(args, *, self_draft_ok: bool = False) -> tuple[Path, Path | None, bool]:
     """``(target_dir, draft_dir or None, embedded)`` from :func:`add_model_arguments`' options (no ``--target``:
-    the embedded demo pair)."""
+    the embedded demo pair). ``--draft self`` (the target drafts for itself: no draft directory, with or without
+    ``--target``) is refused unless ``self_draft_ok``."""
+    self_draft = args.draft == engine.SELF
+    if self_draft and not self_draft_ok:
+        raise ConfigError("--draft self (self-drafting) is not supported by this command; python -m "
+                          "diffspec_jax.generate runs it")
     embedded = args.target is None
-    if embedded and args.draft is not None:
+    if embedded and args.draft is not None and not self_draft:
         raise ConfigError("--draft needs --target (the draft is bound to its target); without --target the "
                           "embedded demo pair runs, which brings its own draft")
     if embedded:
         target_dir, draft_dir = default_pair()
     else:
         target_dir, draft_dir = Path(args.target), Path(args.draft) if args.draft else None
-    return target_dir, None if args.no_draft else draft_dir, embedded
+    return target_dir, None if args.no_draft or self_draft else draft_dir, embedded
 
 
 def add_spec_arguments(ap) -> None:
@@ -221,14 +229,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--tp must be a positive integer (devices on the tensor-parallel axis), got {args.tp}")
         if args.draft_tp is not None and args.draft_tp < 1:
             raise ConfigError(f"--draft-tp must be 1 (replicated draft) or --tp, got {args.draft_tp}")
-        target_dir, draft_dir, embedded = model_dirs(args)
+        self_draft = args.draft == engine.SELF and not args.no_draft
+        target_dir, draft_dir, embedded = model_dirs(args, self_draft_ok=True)
         if embedded:
             args.compare = args.compare or not args.no_draft  # the demo reports its speedup, measured here
         spec = spec_from_args(args, args.draft_tp)
         policy = spec.draft_context_policy
         target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype))
         sampling, gen_defaults = _sampling(args, target_dir)
-        draft = load_draft(draft_dir, target) if draft_dir is not None else None
+        draft = engine.SELF if self_draft else load_draft(draft_dir, target) if draft_dir is not None else None
         random_pair = (target_dir / "RANDOM_WEIGHTS.json").exists()
         tok = _tokenizer(target_dir)
         if args.stop and tok is None:
@@ -245,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[RANDOM weights in {target_dir}: the tokens are meaningless]", file=sys.stderr)
         if embedded and not args.json:
             print(f"[embedded demo pair: {target_dir.parent} (a small Llama and EAGLE-3 draft trained on the Python "
-                  f"standard library; see MODEL_CARD.md there); prompt: {len(prompt)} tokens, policy {policy}]",
+                  f"standard library; see MODEL_CARD.md there); prompt: {len(prompt)} tokens, policy {policy}"
+                  f"{', the target drafting for itself' if self_draft else ''}]",
                   file=sys.stderr)
         if gen_defaults and not args.json and not sampling.greedy:
             print(f"[sampling as {target_dir / stopping.GENERATION_CONFIG} says: temperature {sampling.temperature:g}"
@@ -266,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         result = engine.generate(target, draft, [prompt], on_tokens=console.ids if tok is None else None,
                                  on_text=console.text if tok is not None else None, progress=console.bar, **kwargs)
         console.close()
-        report: dict = {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
+        report: dict = {"target": str(target_dir),
+                        "draft": engine.SELF if self_draft else str(draft_dir) if draft_dir else None,
                         "random_weights": random_pair, "prompt_ids": prompt, "ids": result.tokens[0],
                         "text": result.texts[0] if result.texts is not None else None,
                         "finish_reason": result.finish_reasons[0], "stop": list(stops),

@@ -55,6 +55,23 @@ def test_paired_smoke_schema_and_equality(tiny_pair, tmp_path):
         assert cmp["mean_difference"] == pytest.approx(d.mean()) and cmp["wins"] + cmp["ties"] + cmp["losses"] == 2
 
 
+def test_paired_self_draft_smoke(tiny_pair, tmp_path):
+    """``--draft self`` with a target: the self-drafting methods only, lossless, compared prompt by prompt."""
+    from benchmarks import paired
+
+    out = tmp_path / "paired_self.json"
+    args = paired_args(tiny_pair, out)
+    args[args.index("--draft") + 1] = "self"
+    args[args.index("--contexts") + 1] = "160"
+    assert paired.main(args + ["--repeats", "1", "--no-warmup"]) == 0
+    data = json.loads(out.read_text())
+    (case,) = data["cases"]
+    assert data["passed_equality"] is True and data["models"]["draft"] is None
+    assert list(case["methods"]) == ["target", "self-recent", "self-diffspec"] and not case["mismatches"]
+    assert set(case["comparisons"]) == {"self-diffspec vs self-recent"}
+    assert case["methods"]["self-diffspec"]["retrievals"] >= 1
+
+
 def test_paired_difference_counts_and_interval():
     from benchmarks.paired import paired_difference
 
@@ -123,6 +140,22 @@ def test_long_context_anatomy_quick(tmp_path):
         assert case[key] > 0, key
     assert set(case["projected_speedup"]) == {"1.5", "2.0", "3.0", "4.0"}
     assert "random" in data["weights"]
+
+
+def test_long_context_self_draft_quick(tmp_path):
+    from benchmarks import long_context
+
+    out = tmp_path / "lc_self.json"
+    assert long_context.main(["--quick", "--draft", "self", "--contexts", "256", "--batches", "1", "--repeats", "1",
+                              "--inner", "2", "--iters", "2", "--chunk", "16", "--self-budgets", "128",
+                              "--self-acceptance", str(tmp_path / "none.json"), "--out", str(out)]) == 0
+    case = json.loads(out.read_text())["cases"][0]
+    row = case["self_draft"]["128"]
+    for key in ("self_step_s", "self_propose_s", "rebuild_s", "retrieve_s", "cycle_s"):
+        assert row[key] > 0, key
+    assert row["working_set_slots"] == 128 and "draft_propose_full_s" not in case
+    assert row["self_step_over_target_step"] == pytest.approx(row["self_step_s"] / case["target_decode_step_s"])
+    assert set(row["projected_speedup"]) == {"1.5", "2.0", "3.0", "4.0"}
 
 
 def test_decode_ablation_variants_agree_and_report(tmp_path):

@@ -4,6 +4,7 @@
 * :mod:`~diffspec_jax.engine.state`: :class:`DecodeState` (what changes per cycle), :class:`Plan` (what does not);
 * :mod:`~diffspec_jax.engine.prefill`: the chunked prefill and the first token;
 * :mod:`~diffspec_jax.engine.propose`: the draft's step 0 and its chain or tree (:func:`draft_propose`);
+* :mod:`~diffspec_jax.engine.self_draft`: the target drafting for itself over its working set (``draft="self"``);
 * :mod:`~diffspec_jax.engine.verify`: the cycles (draft -> verify -> accept; chain, tree, target alone);
 * :mod:`~diffspec_jax.engine.retrieve`: DiffSpec's chunk scoring and selection;
 * :mod:`~diffspec_jax.engine.loop`: the device loop, a block of cycles in one ``lax.while_loop``;
@@ -43,6 +44,7 @@ from diffspec_jax.engine.state import (  # noqa: F401
 from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode  # noqa: F401
 from diffspec_jax.engine.propose import (  # noqa: F401
     _best_mass, _draft_choose, _draft_root, _top_children, draft_propose, draft_propose_tree)
+from diffspec_jax.engine.self_draft import SELF, is_self, self_draft_spec, self_propose  # noqa: F401
 from diffspec_jax.engine.verify import _accept, _pad_cols, _spec_cycle, _target_cycle, _tree_cycle  # noqa: F401
 from diffspec_jax.engine.retrieve import _gather_heads, _retrieve, _select_anchors  # noqa: F401
 from diffspec_jax.engine.loop import (  # noqa: F401

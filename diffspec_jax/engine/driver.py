@@ -31,6 +31,7 @@ from diffspec_jax.engine.compile import (_CompileClock, capacity_bucket, compile
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopState, loop_specs
 from diffspec_jax.engine.prefill import _PrefillAcc
+from diffspec_jax.engine.self_draft import SELF, is_self, self_draft_spec
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.stopping import FINISH_LENGTH, FINISH_STOP, SequenceText
@@ -264,7 +265,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
 
     Args:
-        target: from :func:`diffspec_jax.load_target`; draft: from :func:`diffspec_jax.load_draft` or ``None``.
+        target: from :func:`diffspec_jax.load_target`; draft: from :func:`diffspec_jax.load_draft`, ``"self"`` (the
+            target drafts for itself over its working set: :mod:`diffspec_jax.engine.self_draft`, chains only, the
+            sink chunk always kept) or ``None``.
         prompts: a list of token-id lists (lengths may differ).
         max_new_tokens: exactly this many tokens per prompt unless a stop token comes first.
         spec: :class:`SpecConfig` (K, draft context policy, DiffSpec settings); ignored without a draft.
@@ -302,13 +305,24 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         InputError / ConfigError for bad input (empty prompt, prompt longer than the cache, ...).
     """
     t_call = time.perf_counter()
+    self_draft = is_self(draft)
+    if isinstance(draft, str) and not self_draft:
+        raise ConfigError(f"draft must be a loaded draft (load_draft), {SELF!r} (the target drafts for itself) or "
+                          f"None, got {draft!r}")
+    if self_draft:
+        if proposer is not None:
+            raise ConfigError(f"draft={SELF!r} drafts with the target itself; it cannot be combined with a custom "
+                              f"proposer")
+        draft = None
     prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling, block_cycles)
     seed, stop_token_ids, max_cache_len, prefill_chunk = check_generate_args(
         target.config.vocab_size, seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
         prefill_chunk=prefill_chunk, on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh)
     stop = check_text_args(stop, tokenizer, on_text, skip_special_tokens)
     tc = target.config
-    speculative = draft is not None or proposer is not None
+    if self_draft:
+        spec = self_draft_spec(spec, tc)
+    speculative = draft is not None or proposer is not None or self_draft
     if proposer is not None and spec.tree:
         raise ConfigError("a custom proposer drafts chains; it cannot be combined with diffspec_verification_mode="
                           "'tree'")
@@ -340,7 +354,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                 draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
                 aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
-                mesh=mesh, draft_tp=draft_tp, kernels=dispatch.kernel_backend())
+                mesh=mesh, draft_tp=draft_tp, kernels=dispatch.kernel_backend(), self_draft=self_draft)
     enable_compilation_cache()
     stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
     tparams, dparams = prepare_params(target, draft, mesh, draft_tp)
@@ -354,7 +368,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     batch = len(prompts)
     cycles = block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
     stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
-                          draft_context_policy=spec.draft_context_policy if draft is not None else None,
+                          draft_context_policy=spec.draft_context_policy if draft is not None or self_draft
+                          else None,
                           verification_mode="tree" if plan.tree_mode else "linear" if speculative else None,
                           block_cycles=int(cycles), cache_capacity=capacity)
     ctl = _RetrievalControl(spec, batch) if plan.diffspec else None

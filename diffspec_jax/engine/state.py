@@ -14,7 +14,7 @@ from flax import struct
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from diffspec_jax import retrieval, sharding
+from diffspec_jax import retrieval, sharding, working_set
 from diffspec_jax.cache import HybridCache, KVCache, create_cache
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.models import family
@@ -28,7 +28,8 @@ class DecodeState:
 
     Attributes:
         target_cache: the target :class:`KVCache` (:class:`HybridCache` for hybrid targets).
-        draft_cache: the draft's :class:`DraftCache` (``None`` without a draft).
+        draft_cache: the draft's :class:`DraftCache` (``None`` without a draft); when the target drafts for itself,
+            its :class:`~diffspec_jax.working_set.WorkingSet` (``None`` for the ``full`` policy).
         retrieval: :class:`retrieval.RetrievalState` (``diffspec`` policy only).
         length: int32 ``[B]`` committed target length: positions ``0..length-1`` are valid in the target cache.
         last_token: int32 ``[B]`` the newest emitted token, at position ``length``, not yet run by the target.
@@ -76,6 +77,7 @@ class Plan:
     mesh: Mesh | None = None
     draft_tp: int = 1
     kernels: str = "reference"  # "pallas" or "reference" (pallas_kernels.dispatch), part of the compile key
+    self_draft: bool = False  # the target drafts for itself over its working set (engine.self_draft)
 
     @property
     def tp(self) -> int:
@@ -97,7 +99,7 @@ class Plan:
 
     @property
     def speculative(self) -> bool:
-        return self.draft is not None or self.proposer is not None
+        return self.draft is not None or self.proposer is not None or self.self_draft
 
     @property
     def k(self) -> int:
@@ -105,7 +107,7 @@ class Plan:
 
     @property
     def diffspec(self) -> bool:
-        return self.draft is not None and self.spec.draft_context_policy == "diffspec"
+        return (self.draft is not None or self.self_draft) and self.spec.draft_context_policy == "diffspec"
 
     @property
     def score_layer(self) -> int | None:
@@ -151,13 +153,15 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) ->
             anchors=jnp.full((batch, plan.spec.max_chunks - 1), -1, jnp.int32),
             score_q=jnp.zeros((batch, hq, tc.head_dim), jnp.float32),
             score_lse=jnp.zeros((batch, hq), jnp.float32),
-            draft_q=jnp.zeros((batch, dc.num_attention_heads, dc.head_dim), jnp.float32),
+            draft_q=jnp.zeros((batch, dc.num_attention_heads, dc.head_dim) if dc is not None else (batch, 1, 1),
+                              jnp.float32),
             chunk_sum=(jnp.zeros((batch, plan.num_chunks, kv_d, dc.head_dim), jnp.float32)
                        if retrieval.needs_summaries(plan.spec) else None))
     return DecodeState(
         target_cache=create_cache(tc, batch, plan.capacity, target_dtype, tp=plan.tp),
         draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype, num_kv_heads=kv_d)
-        if dc is not None else None,
+        if dc is not None else working_set.WorkingSet.create(tc, plan.spec, batch, target_dtype, tp=plan.tp)
+        if plan.self_draft and plan.spec.uses_working_cache else None,
         retrieval=ret,
         length=jnp.zeros((batch,), jnp.int32), last_token=jnp.zeros((batch,), jnp.int32),
         pend_tokens=jnp.zeros((batch, k1), jnp.int32),
@@ -191,6 +195,8 @@ def state_specs(plan: Plan) -> DecodeState:
     if plan.draft is not None:
         store = dheads if plan.spec.uses_working_cache else None
         dcache = DraftCache(work_k=dheads, work_v=dheads, store_k=store, store_v=store)
+    elif plan.self_draft and plan.spec.uses_working_cache:
+        dcache = working_set.WorkingSet.specs(plan.target, dp, tp)
     ret = None
     if plan.diffspec:
         ret = retrieval.RetrievalState(anchors=P(dp, None), score_q=P(dp, tp, None), score_lse=P(dp, tp),

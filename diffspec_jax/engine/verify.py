@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from diffspec_jax import tree, verification
 from diffspec_jax.cache import move_rows
 from diffspec_jax.engine.propose import draft_propose, draft_propose_tree
+from diffspec_jax.engine.self_draft import self_propose
 from diffspec_jax.engine.state import DecodeState, Plan, _rows, _split
 from diffspec_jax.models import family
 from diffspec_jax.sampling import choose, choose_rows, processed_logprobs, processed_logprobs_rows, split_rows
@@ -40,7 +41,10 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
     """
     rng, k_draft, k_verify = _split(plan, state.rng, 3)
     depth = plan.k if depth is None else depth
-    if plan.proposer is not None:
+    if plan.self_draft:  # the target drafts for itself (engine.self_draft)
+        drafts, q, dcache, ret, n, window, tcache = self_propose(plan, tparams, state, active, k_draft, depth)
+        state = state.replace(target_cache=tcache)
+    elif plan.proposer is not None:
         drafts, q, dcache, ret, n, window = plan.proposer(plan, dparams, state, active, k_draft)
         drafts, q = drafts[:, :depth], None if q is None else q[:, :depth]
     else:

@@ -8,10 +8,12 @@ handle, the engine and the sharding code never branch on the architecture:
   (:mod:`diffspec_jax.sharding`) and the checkpoint layout (:mod:`checkpoints_tools.hf`) are derived;
 * ``forward(config, params, tokens, *, axis_name)`` / ``forward_aux(...)``: full sequence, no cache;
 * ``step(config, params, cache, tokens, start, rows, *, aux_layers, score_layer, axis_name, num_valid,
-  snapshots, tree, first_chunk)``: the cached step (prefill chunks, decode, verification). ``num_valid [B]`` says
-  how many of the T tokens are real (prompt padding is not); ``snapshots=True`` keeps what :func:`commit` needs;
-  ``tree`` (families with ``supports_tree`` only) verifies a draft tree (see :func:`diffspec_jax.models.llama.step`);
-  ``first_chunk=True`` (static) promises every ``start`` is 0 (a prompt's first prefill chunk);
+  snapshots, tree, first_chunk, rope_positions)``: the cached step (prefill chunks, decode, verification).
+  ``num_valid [B]`` says how many of the T tokens are real (prompt padding is not); ``snapshots=True`` keeps what
+  :func:`commit` needs; ``tree`` (families with ``supports_tree`` only) verifies a draft tree (see
+  :func:`diffspec_jax.models.llama.step`); ``first_chunk=True`` (static) promises every ``start`` is 0 (a prompt's
+  first prefill chunk); ``rope_positions [B, T]`` rotates the new tokens at other positions than their cache rows (the
+  self-draft's working set);
 * ``commit(config, cache, out, keep)``: after acceptance, make the cache hold the state after ``keep[b]`` of the
   verified tokens (identity for pure-attention models, whose KV is truncated by length; state rollback for
   hybrid ones);
@@ -50,11 +52,11 @@ class Family:
 
 
 def _llama_step(config, params, cache, tokens, start, rows, *, aux_layers=(), score_layer=None, axis_name=None,
-                num_valid=None, snapshots=False, tree=None, first_chunk=False):
+                num_valid=None, snapshots=False, tree=None, first_chunk=False, rope_positions=None):
     """Attention-only models need neither: KV rows are position-indexed and masked by length."""
     del num_valid, snapshots
     return llama.step(config, params, cache, tokens, start, rows, aux_layers=aux_layers, score_layer=score_layer,
-                      axis_name=axis_name, tree=tree, first_chunk=first_chunk)
+                      axis_name=axis_name, tree=tree, first_chunk=first_chunk, rope_positions=rope_positions)
 
 
 def _identity_commit(config, cache, out, keep):

@@ -271,7 +271,7 @@ def concat_aux(aux: list, aux_layers: tuple[int, ...], num_layers: int) -> jax.A
 def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array, start: jax.Array,
          rows: jax.Array, *, aux_layers: tuple[int, ...] = (), score_layer: int | None = None,
          axis_name: str | None = None, tree: tuple[jax.Array, jax.Array] | None = None,
-         first_chunk: bool = False) -> tuple[StepOutput, KVCache]:
+         first_chunk: bool = False, rope_positions: jax.Array | None = None) -> tuple[StepOutput, KVCache]:
     """Run ``T`` new tokens per sequence against the cache and write their K/V into it.
 
     Serves prefill chunks (T = chunk), decode (T = 1) and verification (T = K + 1) with one code path.
@@ -289,6 +289,11 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
             the committed prefix (rows ``< start``) plus the block rows its ancestry row marks.
         first_chunk: static; ``True`` promises ``start == 0`` for every sequence (a prompt's first prefill chunk):
             attention then skips the (empty) prefix (:func:`diffspec_jax.models.attention.cache_attention`).
+        rope_positions: int32 ``[B, T]`` RoPE positions of the new tokens (default ``start + t``), for a cache whose
+            rows are not absolute positions: the self-draft's working set (:mod:`diffspec_jax.working_set`) holds
+            post-RoPE rows of scattered positions compactly, so its token t is written at row ``start + t`` but
+            rotated at its absolute position. Steps of at most ``DENSE_ATTENTION_MAX_TOKENS`` tokens; not combined
+            with ``tree``.
     Returns:
         ``(StepOutput, updated cache)``. Positions ``>= capacity`` are not written (and must not be queried).
     """
@@ -296,6 +301,8 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
     positions = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     if tree is not None:
         positions = start[:, None].astype(jnp.int32) + tree[0]
+    elif rope_positions is not None:
+        positions = rope_positions.astype(jnp.int32)
     cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
     scale = config.head_dim ** -0.5
     block_mask = None if tree is None else tree[1]

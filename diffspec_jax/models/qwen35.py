@@ -407,7 +407,7 @@ def _lm_head(config: ModelConfig, params: Params, x: jax.Array, axis_name) -> ja
 def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Array, start: jax.Array,
          rows: jax.Array, *, aux_layers: tuple[int, ...] = (), score_layer: int | None = None,
          axis_name: str | None = None, num_valid: jax.Array | None = None, snapshots: bool = False,
-         first_chunk: bool = False) -> tuple[StepOutput, HybridCache]:
+         first_chunk: bool = False, rope_positions: jax.Array | None = None) -> tuple[StepOutput, HybridCache]:
     """Run ``T`` new tokens per sequence against the hybrid cache (contract of :func:`llama.step`, plus):
 
     Args:
@@ -416,6 +416,8 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
         snapshots: also return ``StepOutput.states`` (:class:`StateSnapshots`), the DeltaNet states before the step
             and after each token, for :func:`commit` (verification). Forces the token-by-token recurrence.
         first_chunk: as in :func:`llama.step` (every ``start`` is 0).
+        rope_positions: int32 ``[B, T]`` RoPE positions of the attention layers' new tokens (default ``start + t``;
+            see :func:`llama.step`).
     Returns:
         ``(StepOutput, cache)``; the cache holds the DeltaNet states after ``num_valid`` tokens.
     """
@@ -424,6 +426,8 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
         raise ValueError(f"score_layer {score_layer} is not a full-attention layer "
                          f"({list(config.full_attention_layers)})")
     positions = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    if rope_positions is not None:
+        positions = rope_positions.astype(jnp.int32)
     nv = jnp.full((b,), t, jnp.int32) if num_valid is None else jnp.asarray(num_valid, jnp.int32)
     cos, sin = rope_cos_sin(positions, config.rope.inv_freq(config.head_dim))
     scale = config.head_dim ** -0.5
