@@ -36,9 +36,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
 from diffspec_jax.cache import round_capacity, write_rows
 from diffspec_jax.config import ModelConfig, SpecConfig
+from diffspec_jax.mesh import kv_heads_for
 from diffspec_jax.working_cache import history_indices
 
 #: sentinel of :attr:`WorkingSet.built` before the first build (no anchors row equals it)
@@ -78,8 +80,6 @@ class WorkingSet:
     def create(cls, config: ModelConfig, spec: SpecConfig, batch: int, dtype, *, tp: int = 1) -> WorkingSet:
         """Zero buffers for ``config``'s attention layers at ``spec``'s budget (global shapes of a ``tp``-way layout,
         KV heads repeated as in :func:`diffspec_jax.cache.create_cache`)."""
-        from diffspec_jax.sharding import kv_heads_for
-
         shape = (batch, kv_heads_for(config.num_key_value_heads, tp, "the target"), width(spec), config.head_dim)
         zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in config.full_attention_layers)  # noqa: E731
         z = lambda: jnp.zeros((batch,), jnp.int32)  # noqa: E731 (distinct buffers: the state is donated)
@@ -89,8 +89,6 @@ class WorkingSet:
     @classmethod
     def specs(cls, config: ModelConfig, dp: str | None, tp: str | None) -> WorkingSet:
         """PartitionSpecs of every leaf (batch over ``dp``, KV heads over ``tp``, as the target cache)."""
-        from jax.sharding import PartitionSpec as P
-
         heads, row, n = P(dp, tp, None, None), P(dp), len(config.full_attention_layers)
         return cls(k=(heads,) * n, v=(heads,) * n, pos=P(dp, None), n_anchor=row, count=row, ptr=row,
                    built=P(dp, None))
