@@ -933,7 +933,7 @@ def plot(payload: dict, path: Path) -> str | None:
         ax[0, 0].clear()
         for b in batches:
             rows = sorted((c for c in cases if c["batch"] == b and "self_draft" in c), key=lambda c: c["context"])
-            x = [kctx(c) for c in rows]
+            x = [c["context"] for c in rows]
             ax[0, 0].plot(x, [c["target_decode_step_s"] * 1e3 for c in rows], "o-", color=colors[b],
                           label=f"target decode step, batch {b}")
             for i, budget in enumerate(rows[0]["self_draft"] if rows else ()):
