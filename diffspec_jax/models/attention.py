@@ -121,16 +121,21 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
             reads them (a tree's rows are written at ``start + i`` but rotated at ``start + depth``).
         block_mask: bool ``[B, T, T]`` which block rows each block row sees (default causal; trees pass their
             ancestry mask). Prefill chunks (``T > DENSE_ATTENTION_MAX_TOKENS``) must be causal.
-        prefix: static; ``False`` promises ``start == 0`` for every row (a prompt's first prefill chunk), so the
-            fast path skips the prefix attention and the merge. Decode and verification steps ignore it.
+        prefix: static; ``False`` promises ``start == 0`` for every row (a prompt's first prefill chunk): its rows
+            are written by one slice update (no scatter), and the fast path skips the prefix attention and the
+            merge. Decode and verification steps ignore it.
     Returns:
         ``((out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32), k_buf, v_buf)``.
     """
     b, t = q.shape[:2]
     slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     positions = slots if positions is None else positions
-    kb = write_rows(k_buf, k, slots, heads_first=True)
-    vb = write_rows(v_buf, v, slots, heads_first=True)
+    if not prefix and t <= k_buf.shape[2]:  # a first chunk fills rows 0..T-1: one in-place slice update
+        kb = jax.lax.dynamic_update_slice_in_dim(k_buf, jnp.swapaxes(k, 1, 2).astype(k_buf.dtype), 0, axis=2)
+        vb = jax.lax.dynamic_update_slice_in_dim(v_buf, jnp.swapaxes(v, 1, 2).astype(v_buf.dtype), 0, axis=2)
+    else:
+        kb = write_rows(k_buf, k, slots, heads_first=True)
+        vb = write_rows(v_buf, v, slots, heads_first=True)
     dense = t <= DENSE_ATTENTION_MAX_TOKENS
     if not dense and block_mask is not None:
         raise ValueError(f"a block of {t} > {DENSE_ATTENTION_MAX_TOKENS} tokens must be causal (prefill)")
