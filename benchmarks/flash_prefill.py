@@ -104,7 +104,8 @@ def bench(b, t, hq, hkv, d, quick) -> list[dict]:
                 r = fn(q_ + (acc * 0).astype(q_.dtype), k, v)
                 o = r[0] if isinstance(r, tuple) else r
                 return q_, acc + o[0, 0, 0, 0].astype(jnp.float32)
-            tm = time_device(step, (q, jnp.zeros((), jnp.float32)), iters=2 if quick else 4,
+            # the timing loop donates its carry: a copy, so the next implementation still has q
+            tm = time_device(step, (jnp.copy(q), jnp.zeros((), jnp.float32)), iters=2 if quick else 4,
                              repeats=2 if quick else 3)
             row.update(tm, tflops=flops / tm["median_s"] / 1e12)
         except Exception as e:  # noqa: BLE001 - an implementation this machine cannot run is reported, not fatal

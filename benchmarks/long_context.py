@@ -411,16 +411,16 @@ def self_draft_case(target, ctx, batch, dec_s, args) -> dict:
         st = st.replace(draft_cache=ws.replace(k=cache["c"].k, v=cache["c"].v))
         del cache, step_call
 
-        def prop(slim, dcache, key):
-            drafts, _, new, *_ = self_propose(plan, target.params, slim.replace(draft_cache=dcache), active, key)
+        def prop(params, slim, dcache, key):  # params an argument: a closure would embed 16 GB of constants
+            drafts, _, new, *_ = self_propose(plan, params, slim.replace(draft_cache=dcache), active, key)
             return drafts, new
 
-        propose = jax.jit(prop, donate_argnums=(1,))
+        propose = jax.jit(prop, donate_argnums=(2,))
         ph = {"dc": st.draft_cache}
         slim = st.replace(draft_cache=None)
 
         def prop_call(propose=propose, slim=slim):
-            drafts, ph["dc"] = propose(slim, ph["dc"], jax.random.PRNGKey(0))
+            drafts, ph["dc"] = propose(target.params, slim, ph["dc"], jax.random.PRNGKey(0))
             return drafts
 
         stats["self_propose"] = pipelined(prop_call, repeats=t.repeats, inner=t.inner)
@@ -1015,6 +1015,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", action="store_true",
                     help="also time prefill through generate() per case (TFLOP/s against the matmul peak)")
     ap.add_argument("--prefill-repeats", type=int, default=1, help="timed prefill calls after the compiling one")
+    ap.add_argument("--prefill-batches", default=None,
+                    help="--prefill: time prefill only at these batch sizes (comma-separated; default: every batch)")
     ap.add_argument("--draft", default=None, choices=["self"],
                     help="self: measure self-drafting (the target over its working set) instead of the EAGLE-3 draft")
     ap.add_argument("--self-budgets", default="2048,4096", help="--draft self: working-set budgets (tokens)")
@@ -1037,6 +1039,7 @@ def main(argv=None) -> int:
     tcfg, dcfg = shapes(args.quick)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
+    prefill_batches = {int(x) for x in (args.prefill_batches or "").split(",") if x.strip()}
     batches = sorted(batches, key=lambda b: b != 1)
     prev = json.loads(Path(args.resume).read_text()) if args.resume and Path(args.resume).exists() else None
     env = environment(sys.argv)
@@ -1143,7 +1146,7 @@ def main(argv=None) -> int:
         row["hbm_floor_s"] = row["decode_step_bytes"] / bw["bytes_per_s"]
         row["decode_step_over_floor"] = row["target_decode_step_s"] / row["hbm_floor_s"]
         row["wall_seconds"] = time.perf_counter() - t0
-        if args.prefill and not recheck and not any(
+        if args.prefill and not recheck and (args.prefill_batches is None or b in prefill_batches) and not any(
                 (r["context"], r["batch"]) == (ctx, b) for r in payload["prefill"]):
             gc.collect()
             try:

@@ -143,12 +143,26 @@ def test_long_context_anatomy_quick(tmp_path):
 
 
 def test_long_context_self_draft_quick(tmp_path):
+    """The self-draft anatomy runs and reports; no jitted function embeds the target's weights as constants (a
+    closure over the parameters, which at 8B shapes is 16 GB of constants and a compile that never ends)."""
+    import warnings
+
+    import jax
+
     from benchmarks import long_context
 
     out = tmp_path / "lc_self.json"
-    assert long_context.main(["--quick", "--draft", "self", "--contexts", "256", "--batches", "1", "--repeats", "1",
-                              "--inner", "2", "--iters", "2", "--chunk", "16", "--self-budgets", "128",
-                              "--self-acceptance", str(tmp_path / "none.json"), "--out", str(out)]) == 0
+    before = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", 16 << 10)  # the tiny target's weights are ~MBs
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="A large amount of constants")
+            assert long_context.main(["--quick", "--draft", "self", "--contexts", "256", "--batches", "1",
+                                      "--repeats", "1", "--inner", "2", "--iters", "2", "--chunk", "16",
+                                      "--self-budgets", "128", "--self-acceptance", str(tmp_path / "none.json"),
+                                      "--out", str(out)]) == 0
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", before)
     case = json.loads(out.read_text())["cases"][0]
     row = case["self_draft"]["128"]
     for key in ("self_step_s", "self_propose_s", "rebuild_s", "retrieve_s", "cycle_s"):
