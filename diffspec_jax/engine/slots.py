@@ -123,13 +123,18 @@ def new_acc(plan: Plan, target_dtype) -> _PrefillAcc:
 
 
 def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: _PrefillAcc, slot, tokens, next_tokens,
-                 start, length, *, first: bool = False) -> tuple[DecodeState, _PrefillAcc]:
+                 start, length, *, first: bool = False) -> tuple[DecodeState, _PrefillAcc, jax.Array]:
     """One prefill chunk of the prompt in slot ``slot``: ``tokens`` / ``next_tokens`` int32 ``[1, W]`` (the prompt
     from ``start`` and shifted by one, zero-padded), ``start`` and ``length`` (the prompt's) int32 ``[1]``;
-    ``first`` (static): the prompt's first chunk (``start`` 0; the fast attention skips the empty prefix)."""
+    ``first`` (static): the prompt's first chunk (``start`` 0; the fast attention skips the empty prefix).
+
+    Returns ``(state, acc, prompt tokens prefilled so far int32 [])``: the last is a small output that is not
+    donated to the next call, so the host can wait for a chunk to finish (the scheduler paces its prefill with
+    it)."""
     rows, acc = _prefill_chunk(plan, tparams, dparams, _rows(state, slot), acc, tokens, next_tokens, start, length,
                                first=first)
-    return _put(state.replace(rng=None), rows.replace(rng=None), slot).replace(rng=state.rng), acc
+    state = _put(state.replace(rng=None), rows.replace(rng=None), slot).replace(rng=state.rng)
+    return state, acc, jnp.minimum(start[0] + tokens.shape[1], length[0])
 
 
 def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, acc: _PrefillAcc, slot, length,

@@ -2,11 +2,25 @@
 
 One :class:`SlotEngine` owns a batch of ``max_num_seqs`` slots at a fixed cache capacity (``max_model_len``
 rounded as :func:`~diffspec_jax.engine.compile.capacity_bucket` rounds it) and runs in its own thread. Requests
-wait in a bounded queue; a request joins a free slot between device blocks: its prompt is prefilled into that
-slot in chunks of one fixed width (:mod:`diffspec_jax.engine.slots`), one chunk per decode block of the running
-slots, then it decodes with them in the engine's device loop (:func:`~diffspec_jax.engine.loop._block`, every
+wait in a bounded queue; every waiting request that a free slot can take is admitted at once, and its prompt is
+prefilled into that slot in chunks of one fixed width (:mod:`diffspec_jax.engine.slots`; the admission with the
+fewest chunks left goes first), then it decodes with the others in the engine's device loop (:func:`~diffspec_jax.engine.loop._block`, every
 slot with its own stop ids, sampling parameters, key, working cache and retrieval cadence). It leaves when it is
-done (a stop id, its token limit, a stop string, a cancellation, its timeout) and the slot is reused. Every
+done (a stop id, its token limit, a stop string, a cancellation, its timeout) and the slot is reused.
+
+Prefill is scheduled in one of two modes:
+
+* **a wave** forms when requests are admitted while no slot decodes (the server starting, or every request of the
+  last wave done): their prompts are prefilled back to back, without decode blocks in between, and the slots
+  start decoding together once every admission of the wave has its first token (requests admitted meanwhile join
+  the wave). The host keeps at most :data:`PREFILL_AHEAD` chunks in flight and dispatches the wave's first block
+  only once its last chunk is done on the device, so a request that arrives while the wave's prefill runs joins
+  it instead of waiting for interleaved chunks.
+* **interleaved**: while slots decode, at most ``max_prefill_per_block`` prompt tokens (whole chunks, at least
+  one) are prefilled between two decode blocks, so the running requests' inter-token latency grows by at most
+  that much prefill per block.
+
+Every
 program is compiled once, at warm-up; no mix of prompt lengths, sampling parameters or arrivals compiles again
 (:attr:`SlotEngine.compiles` counts the engine's programs, :attr:`SlotEngine.xla_compiles` every XLA
 compilation of the process).
@@ -54,6 +68,10 @@ DEFAULT_MAX_MODEL_LEN = 4096
 GPU_PREFILL_CHUNK = 2048
 #: blocks in flight ahead of the one the host reads (as ``generate()``)
 AHEAD = 2
+#: prefill chunks in flight while a wave forms (the host waits for the oldest before it dispatches another)
+PREFILL_AHEAD = 2
+#: seconds the engine waits for a message while a wave's last chunks finish on the device
+WAVE_POLL_S = 0.002
 #: the window of the tokens/s gauge, seconds
 RATE_WINDOW_S = 10.0
 #: the XLA event counted by :attr:`SlotEngine.xla_compiles`
@@ -79,6 +97,10 @@ class EngineConfig:
         prefill_chunk: prompt tokens per prefill chunk, one fixed width [512 on CPUs, :data:`GPU_PREFILL_CHUNK` on
             GPUs; at most the capacity].
         block_cycles: decode cycles per device block [16; 1 for tree mode with host-shaped trees].
+        max_prefill_per_block: prompt tokens prefilled between two decode blocks while slots decode, rounded down
+            to whole chunks (at least one) [one chunk]: the bound on how long a decode block waits behind prefill
+            work. A larger value admits long prompts sooner (more throughput when requests arrive while others
+            decode) at the cost of longer gaps between the running requests' tokens.
         max_waiting: requests waiting for a slot (beyond those the free slots take) at which
             :meth:`SlotEngine.submit` refuses more [256].
         request_timeout: seconds a request may take from submission to its last token (``None``: no limit)
@@ -89,6 +111,7 @@ class EngineConfig:
     max_model_len: int | None = None
     prefill_chunk: int | None = None
     block_cycles: int | None = None
+    max_prefill_per_block: int | None = None
     max_waiting: int = 256
     request_timeout: float | None = 600.0
 
@@ -97,6 +120,7 @@ class EngineConfig:
         check_int(self.max_model_len, "max_model_len", min=2, none_ok=True)
         check_int(self.prefill_chunk, "prefill_chunk", min=1, none_ok=True)
         check_int(self.block_cycles, "block_cycles", min=1, none_ok=True)
+        check_int(self.max_prefill_per_block, "max_prefill_per_block", min=1, none_ok=True)
         check_int(self.max_waiting, "max_waiting", min=0)
         check_real(self.request_timeout, "request_timeout", min=0.0, min_open=True, none_ok=True)
 
@@ -242,6 +266,8 @@ class SlotEngine:
         width = config.prefill_chunk or (GPU_PREFILL_CHUNK if jax.default_backend() == "gpu"
                                          else REFERENCE_PREFILL_CHUNK)
         self.prefill_chunk = min(width, capacity)
+        #: prefill chunks between two decode blocks while slots decode
+        self.chunks_per_block = max(1, (config.max_prefill_per_block or self.prefill_chunk) // self.prefill_chunk)
         self.block_cycles = config.block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
         self.eos = tuple(tc.eos_token_ids if eos_token_ids is None else eos_token_ids)
         if len(self.eos) > MAX_STOP_IDS:
@@ -265,7 +291,10 @@ class SlotEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
         self._in_flight = 0
-        self._admitting: _Admission | None = None
+        self._admissions: dict[int, _Admission] = {}  # slot -> its prompt being prefilled
+        self._forming = False  # a wave forms: admissions began while no slot decoded; blocks wait for them
+        self._chunks_since_block = 0
+        self._chunk_marks: collections.deque = collections.deque()  # chunks in flight (forming a wave)
         self._lock = threading.Lock()
         self._queued = 0  # submitted, not yet admitted or dropped (inbox + waiting)
         self._free = b  # slots without a request
@@ -407,6 +436,7 @@ class SlotEngine:
         self._finish(req, "abort", release=True)
         while self._pending:
             self._read_one()
+        self._chunks_since_block = 0
         self.counters.clear()
         with self._lock:  # the warm-up requests went around submit(): every slot is free again
             self._rate.clear()
@@ -437,22 +467,31 @@ class SlotEngine:
                 self._fail(item, 500, "the engine failed", "internal_error")
 
     def _idle(self) -> bool:
-        return not (self._waiting or self._admitting or self._pending or any(self.slots))
+        return not (self._waiting or self._admissions or self._pending or any(self.slots))
+
+    def _decoding(self) -> bool:
+        return any(r is not None and r.phase == "decode" for r in self.slots)
 
     def _step(self) -> None:
-        """One iteration: take messages, expire timeouts, one admission step, one block, one result read."""
-        self._take_messages(block=self._idle())
+        """One iteration: take messages, expire timeouts, admit waiting requests into the free slots, prefill (a
+        wave's chunks, or the chunks allowed between two blocks), one block, then read the results that are
+        ready (and wait for the oldest when nothing was dispatched or the blocks in flight are at
+        :data:`AHEAD`)."""
+        settling = self._forming and not self._admissions  # a wave's last chunks run on the device
+        self._take_messages(block=self._idle() or settling, timeout=WAVE_POLL_S if settling else 0.1)
         self._expire()
-        did = self._admission_step()
-        if self._in_flight < AHEAD and any(r is not None and r.phase == "decode" for r in self.slots):
+        self._admit()
+        did = self._prefill()
+        if self._in_flight < AHEAD and not self._forming and self._decoding():
             self._dispatch_block()
             did = True
+        self._read_ready()
         if self._pending and (not did or self._in_flight >= AHEAD):
             self._read_one()
 
-    def _take_messages(self, block: bool) -> None:
+    def _take_messages(self, block: bool, timeout: float = 0.1) -> None:
         try:
-            msg = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+            msg = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -480,18 +519,17 @@ class SlotEngine:
                            "timeout")
 
     # admission ------------------------------------------------------------------------------------------
-    def _admission_step(self) -> bool:
-        """Start an admission into a free slot, or dispatch the next prefill chunk (and, after the last one, the
-        slot's start). Returns whether anything was dispatched."""
-        if self._admitting is None:
-            free = [i for i, r in enumerate(self.slots) if r is None]
-            if not self._waiting or not free:
-                return False
+    def _admit(self) -> None:
+        """Every waiting request a free slot can take joins one (its slot reset, its prompt laid out in chunks).
+        Admissions that begin while no slot decodes form a wave (see the module docstring)."""
+        while self._waiting and None in self.slots:
+            if not self._admissions and not self._decoding():
+                self._forming = True
             req = self._waiting.popleft()
             with self._lock:
                 self._queued -= 1
                 self._free -= 1
-            slot = free[0]
+            slot = self.slots.index(None)
             self.slots[slot], req.slot, req.phase = req, slot, "prefill"
             p = req.params
             self._state = self._progs.reset(self.clock, self._state, np.int32(slot), np.float32(p.temperature),
@@ -500,20 +538,47 @@ class SlotEngine:
             n = -(-len(req.prompt_ids) // w)
             tokens = np.zeros(n * w + 1, np.int32)
             tokens[:len(req.prompt_ids)] = req.prompt_ids
-            self._admitting = _Admission(req, slot, tokens, n, self._acc(self.clock))
-        a, w = self._admitting, self.prefill_chunk
+            self._admissions[slot] = _Admission(req, slot, tokens, n, self._acc(self.clock))
+
+    def _prefill(self) -> bool:
+        """Dispatch prefill chunks, the admission with the fewest chunks left first (its slot starts after its
+        last chunk): while a wave forms, every chunk (at most :data:`PREFILL_AHEAD` in flight); while slots
+        decode, up to :attr:`chunks_per_block` since the last block. Returns whether anything was dispatched."""
+        self._forming = bool(self._admissions) and (self._forming or not self._decoding())
+        did = False
+        while self._admissions:
+            if self._forming:
+                if len(self._chunk_marks) >= PREFILL_AHEAD:  # stay close to the device: late arrivals join
+                    jax.block_until_ready(self._chunk_marks.popleft())
+            elif self._chunks_since_block >= self.chunks_per_block:
+                break
+            a = min(self._admissions.values(), key=lambda a: a.n_chunks - a.chunk)
+            self._prefill_chunk(a)
+            did = True
+            if a.chunk == a.n_chunks:
+                del self._admissions[a.slot]
+                self._start(a, np.array([len(a.req.prompt_ids)], np.int32))
+        if not self._admissions:
+            # the wave decodes once its prefill is done on the device: until then a request that arrives joins it
+            while self._chunk_marks and self._chunk_marks[0].is_ready():
+                self._chunk_marks.popleft()
+            self._forming = bool(self._chunk_marks)
+        return did
+
+    def _prefill_chunk(self, a: _Admission) -> None:
+        w = self.prefill_chunk
         s = a.chunk * w
         length = np.array([len(a.req.prompt_ids)], np.int32)
         # the fast attention skips a first chunk's empty prefix; the reference has nothing to skip (one program)
         chunk = self._progs.prefill_first if a.chunk == 0 and self.plan.kernels == "pallas" else self._progs.prefill
-        self._state, a.acc = chunk(self.clock, self.tparams, self.dparams, self._state, a.acc, np.int32(a.slot),
-                                   a.tokens[None, s:s + w], a.tokens[None, s + 1:s + w + 1], np.array([s], np.int32),
-                                   length)
+        self._state, a.acc, mark = chunk(self.clock, self.tparams, self.dparams, self._state, a.acc,
+                                         np.int32(a.slot), a.tokens[None, s:s + w],
+                                         a.tokens[None, s + 1:s + w + 1], np.array([s], np.int32), length)
         a.chunk += 1
-        if a.chunk == a.n_chunks:
-            self._admitting = None
-            self._start(a, length)
-        return True
+        self._chunks_since_block += 1
+        if self._forming:
+            self._chunk_marks.append(mark)
+        self._bump("prefill_chunks", 1)
 
     def _start(self, a: _Admission, length: np.ndarray) -> None:
         req, slot, plan = a.req, a.slot, self.plan
@@ -544,8 +609,15 @@ class SlotEngine:
         self._state, self._loop, res = self._block(self.clock, self.tparams, self.dparams, self._state, self._loop,
                                                    self._stops.copy(), caps, budget)
         self._in_flight += 1
+        self._chunks_since_block = 0
         self._bump("blocks", 1)
         self._pending.append(("block", res, owners))
+
+    def _read_ready(self) -> None:
+        """Read the results at the head of the queue that the device has finished (no waiting)."""
+        while self._pending and all(x.is_ready() for x in jax.tree_util.tree_leaves(self._pending[0][1:])
+                                    if isinstance(x, jax.Array)):
+            self._read_one()
 
     def _read_one(self) -> None:
         item = self._pending.popleft()
@@ -639,8 +711,8 @@ class SlotEngine:
             return
         slot = req.slot
         if self.slots[slot] is req:
-            if self._admitting is not None and self._admitting.req is req:
-                self._admitting = None
+            if slot in self._admissions and self._admissions[slot].req is req:
+                del self._admissions[slot]
             elif release and req.phase == "decode" and self.error is None:
                 self._loop = self._progs.release(self.clock, self._loop, np.int32(slot))
             self.slots[slot] = None
