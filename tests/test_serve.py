@@ -183,6 +183,97 @@ def test_engine_isolates_a_failing_request(pair, prompts):
         engine.stop()
 
 
+def test_prefill_waves_and_interleaving(pair, prompts):
+    """Requests admitted while no slot decodes form a wave: all their chunks run before the first decode block.
+    A request that takes a slot freed while another decodes is prefilled at most max_prefill_per_block tokens
+    between two blocks; its tokens equal generate() alone. (The slots and plan of the test above: its programs.)"""
+    from diffspec_jax.serving.scheduler import EngineConfig, Request, SamplingParams, SlotEngine
+
+    target, draft, _ = pair
+    engine = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk=CHUNK,
+                                                          max_prefill_per_block=2 * CHUNK + 1))
+    assert engine.chunks_per_block == 2
+    trace = []
+    chunk, block, take = engine._prefill_chunk, engine._dispatch_block, engine._take_messages
+    engine._prefill_chunk = lambda a: (trace.append(("chunk", a.req.id)), chunk(a))
+    engine._dispatch_block = lambda: (trace.append(("block", None)), block())
+    gate = threading.Lock()  # held while the requests are submitted: the engine takes them in one step
+
+    def gated_take(*args, **kwargs):
+        with gate:
+            return take(*args, **kwargs)
+
+    engine._take_messages = gated_take
+    engine.start()
+    try:
+        trace.clear()
+        wave = [Request(p, SamplingParams(max_tokens=n, ignore_eos=True), lambda e: None, request_id=f"w{i}")
+                for i, (p, n) in enumerate(((prompts[3], 20), (prompts[5], 150)))]
+        # the late request waits for w0's slot, then is prefilled while w1 decodes
+        late = Request(prompts[7], SamplingParams(max_tokens=8, ignore_eos=True), lambda e: None, request_id="late")
+        with gate:
+            for r in wave + [late]:
+                engine.submit(r)
+        deadline = time.monotonic() + 120
+        while not all(r.finished for r in wave + [late]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first_block = trace.index(("block", None))
+        n_chunks = lambda p: -(-len(p) // CHUNK)  # noqa: E731
+        assert [k for k, _ in trace[:first_block]] == ["chunk"] * (n_chunks(prompts[3]) + n_chunks(prompts[5]))
+        late_at = [i for i, (_, rid) in enumerate(trace) if rid == "late"]
+        assert len(late_at) == n_chunks(prompts[7]) and late_at[0] > first_block
+        assert wave[1].tokens and len(wave[1].tokens) == 150
+        runs, n = [], 0  # chunks between consecutive blocks while the late prompt was prefilled
+        for kind, _ in trace[late_at[0]:late_at[-1] + 1]:
+            if kind == "block":
+                runs.append(n)
+                n = 0
+            else:
+                n += 1
+        assert max(runs + [n]) <= 2 and len(runs) >= 3
+        assert late.tokens == _reference(pair, prompts[7], 8, stop_token_ids=())
+        assert engine.metrics()["compiles_after_warmup"] == 0
+    finally:
+        engine.stop()
+
+
+def test_slot_prefill_writes_back_only_its_chunk(pair):
+    """slot_prefill = the chunk on the slot's batch-1 view with the whole view written back (fresh random cache
+    contents in both slots; the chunk's window runs past the end of the buffer, so it is clamped)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from diffspec_jax.engine import slots
+    from diffspec_jax.engine.prefill import _prefill_chunk
+    from diffspec_jax.serving.scheduler import EngineConfig, SlotEngine
+
+    target, draft, _ = pair
+    plan = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=2, max_model_len=MAX_LEN,
+                                                        prefill_chunk=CHUNK)).plan
+    rng = np.random.default_rng(3)
+    state, _ = slots.init_slots(plan, 2, target.dtype, draft.params["fc"].dtype)
+    noise = lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype)  # noqa: E731
+    state = state.replace(target_cache=jax.tree_util.tree_map(noise, state.target_cache),
+                          draft_cache=jax.tree_util.tree_map(noise, state.draft_cache))
+    start = plan.capacity - CHUNK // 2
+    args = (np.int32(1), jnp.asarray(rng.integers(1, 200, (1, CHUNK)), jnp.int32),
+            jnp.asarray(rng.integers(1, 200, (1, CHUNK)), jnp.int32), jnp.array([start], jnp.int32),
+            jnp.array([start + 10], jnp.int32))
+
+    def whole(state, acc, slot, *rest):
+        rows, acc = _prefill_chunk(plan, target.params, draft.params, slots._rows(state, slot), acc, *rest)
+        return slots._put(state.replace(rng=None), rows.replace(rng=None), slot).replace(rng=state.rng), acc
+
+    got, got_acc, done = jax.jit(functools.partial(slots.slot_prefill, plan))(
+        target.params, draft.params, state, slots.new_acc(plan, target.dtype), *args)
+    want, want_acc = jax.jit(whole)(state, slots.new_acc(plan, target.dtype), *args)
+    assert int(done) == start + 10
+    for g, w in zip(jax.tree_util.tree_leaves((got, got_acc)), jax.tree_util.tree_leaves((want, want_acc))):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_per_row_processing_equals_the_static_one():
     """processed_logprobs_rows on a batch of rows with different settings = processed_logprobs of each row's
     SamplingConfig alone (fresh random logits, ties included)."""

@@ -10,7 +10,9 @@ every prompt length up to the capacity:
   rows are never cleared: rows beyond a committed length are masked and overwritten (as in ``generate()``).
 * :func:`slot_prefill`: one prefill chunk of one prompt (a fixed width ``W``) into the slot's rows of the target
   cache and the draft's store, by the engine's own :func:`~diffspec_jax.engine.prefill._prefill_chunk` on the
-  slot's batch-1 view; the host interleaves these chunks with decode blocks of the other slots.
+  slot's batch-1 view (its attention reads the slot's whole prefix); of the target's K/V only the chunk's ``W``
+  positions are written back into the batch cache; the host runs these chunks back to back or between decode
+  blocks of the other slots (:mod:`diffspec_jax.serving.scheduler`).
 * :func:`slot_start`: after the last chunk, the first token and the pending root entry
   (:func:`~diffspec_jax.engine.prefill._start_decode`), DiffSpec's retrieval after prefill
   (:func:`~diffspec_jax.engine.retrieve._retrieve`), and the slot's row of the :class:`LoopState` (live, token
@@ -50,6 +52,20 @@ def _put(tree, rows, slot):
     """Write batch-1 ``rows`` into row ``slot`` of every leaf of ``tree``."""
     return jax.tree_util.tree_map(
         lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, jnp.asarray(y, x.dtype), slot, axis=0), tree, rows)
+
+
+def _put_window(cache, rows, slot, start, width: int):
+    """Write the batch-1 target cache ``rows`` of a prefill chunk back into row ``slot`` of ``cache``: of each K/V
+    buffer ``[B, H, S, D]`` only the ``width`` positions from ``start`` that the chunk wrote (a window clamped into
+    the buffer, as ``dynamic_slice`` clamps it: rows of the window outside the chunk are the slot's own, unchanged),
+    the not position-indexed states (a hybrid target's conv and recurrent states) whole."""
+    def window(buf, row):
+        at = jnp.clip(start, 0, buf.shape[2] - width)
+        piece = jax.lax.dynamic_slice(row, (0, 0, at, 0), (1, row.shape[1], width, row.shape[3]))
+        return jax.lax.dynamic_update_slice(buf, piece.astype(buf.dtype), (slot, 0, at, 0))
+
+    k, v = tuple(map(window, cache.k, rows.k)), tuple(map(window, cache.v, rows.v))
+    return _put(cache.replace(k=(), v=()), rows.replace(k=(), v=()), slot).replace(k=k, v=v)
 
 
 def _set(x: jax.Array, slot, value) -> jax.Array:
@@ -133,7 +149,10 @@ def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefill
     it)."""
     rows, acc = _prefill_chunk(plan, tparams, dparams, _rows(state, slot), acc, tokens, next_tokens, start, length,
                                first=first)
-    state = _put(state.replace(rng=None), rows.replace(rng=None), slot).replace(rng=state.rng)
+    # the target cache: only the chunk's positions go back (the rest of the slot's rows are unchanged)
+    tcache = _put_window(state.target_cache, rows.target_cache, slot, start[0], tokens.shape[1])
+    small = lambda s: s.replace(rng=None, target_cache=None)  # noqa: E731
+    state = _put(small(state), small(rows), slot).replace(rng=state.rng, target_cache=tcache)
     return state, acc, jnp.minimum(start[0] + tokens.shape[1], length[0])
 
 
