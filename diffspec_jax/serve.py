@@ -50,6 +50,9 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=None,
                     help="prompt tokens per prefill chunk, one fixed width (default 512 on CPUs, 2048 on GPUs)")
     ap.add_argument("--block-cycles", type=int, default=None, help="decode cycles per device block (default 16)")
+    ap.add_argument("--max-prefill-per-block", type=int, default=None,
+                    help="prompt tokens prefilled between two decode blocks while requests decode, in whole chunks "
+                         "(default one chunk): bounds the gap prefill adds between a running request's tokens")
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     return ap
 
@@ -62,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_from_args(args)
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               prefill_chunk=args.prefill_chunk, block_cycles=args.block_cycles,
-                              max_waiting=args.max_waiting, request_timeout=args.request_timeout)
+                              max_prefill_per_block=args.max_prefill_per_block, max_waiting=args.max_waiting,
+                              request_timeout=args.request_timeout)
         template = read_text(args.chat_template, "chat template", error=ConfigError) if args.chat_template else None
         try:
             import uvicorn

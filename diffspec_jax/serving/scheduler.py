@@ -11,11 +11,11 @@ done (a stop id, its token limit, a stop string, a cancellation, its timeout) an
 Prefill is scheduled in one of two modes:
 
 * **a wave** forms when requests are admitted while no slot decodes (the server starting, or every request of the
-  last wave done): their prompts are prefilled back to back, without decode blocks in between, and the slots
-  start decoding together once every admission of the wave has its first token (requests admitted meanwhile join
-  the wave). The host keeps at most :data:`PREFILL_AHEAD` chunks in flight and dispatches the wave's first block
-  only once its last chunk is done on the device, so a request that arrives while the wave's prefill runs joins
-  it instead of waiting for interleaved chunks.
+  last wave done): their prompts are prefilled back to back, without decode blocks in between, and once the
+  wave's last chunk has run on the device its slots start together (first tokens, then decode blocks), as an
+  offline ``generate()`` batch does: a request's first token waits for the wave's prefill, its later tokens do
+  not. The host keeps at most :data:`PREFILL_AHEAD` chunks in flight, so a request that arrives while the wave's
+  prefill runs joins it instead of waiting for interleaved chunks.
 * **interleaved**: while slots decode, at most ``max_prefill_per_block`` prompt tokens (whole chunks, at least
   one) are prefilled between two decode blocks, so the running requests' inter-token latency grows by at most
   that much prefill per block.
@@ -292,7 +292,8 @@ class SlotEngine:
         self._pending: collections.deque = collections.deque()
         self._in_flight = 0
         self._admissions: dict[int, _Admission] = {}  # slot -> its prompt being prefilled
-        self._forming = False  # a wave forms: admissions began while no slot decoded; blocks wait for them
+        self._forming = False  # a wave forms: admitted while no slot decodes; its slots start together
+        self._starting: list[_Admission] = []  # the wave's prefilled admissions, waiting for the rest of it
         self._chunks_since_block = 0
         self._chunk_marks: collections.deque = collections.deque()  # chunks in flight (forming a wave)
         self._lock = threading.Lock()
@@ -467,7 +468,7 @@ class SlotEngine:
                 self._fail(item, 500, "the engine failed", "internal_error")
 
     def _idle(self) -> bool:
-        return not (self._waiting or self._admissions or self._pending or any(self.slots))
+        return not (self._waiting or self._admissions or self._starting or self._pending or any(self.slots))
 
     def _decoding(self) -> bool:
         return any(r is not None and r.phase == "decode" for r in self.slots)
@@ -523,8 +524,6 @@ class SlotEngine:
         """Every waiting request a free slot can take joins one (its slot reset, its prompt laid out in chunks).
         Admissions that begin while no slot decodes form a wave (see the module docstring)."""
         while self._waiting and None in self.slots:
-            if not self._admissions and not self._decoding():
-                self._forming = True
             req = self._waiting.popleft()
             with self._lock:
                 self._queued -= 1
@@ -541,10 +540,11 @@ class SlotEngine:
             self._admissions[slot] = _Admission(req, slot, tokens, n, self._acc(self.clock))
 
     def _prefill(self) -> bool:
-        """Dispatch prefill chunks, the admission with the fewest chunks left first (its slot starts after its
-        last chunk): while a wave forms, every chunk (at most :data:`PREFILL_AHEAD` in flight); while slots
-        decode, up to :attr:`chunks_per_block` since the last block. Returns whether anything was dispatched."""
-        self._forming = bool(self._admissions) and (self._forming or not self._decoding())
+        """Dispatch prefill chunks, the admission with the fewest chunks left first: while a wave forms, every
+        chunk (at most :data:`PREFILL_AHEAD` in flight), and the wave's slots start together once its last chunk
+        has run on the device; while slots decode, up to :attr:`chunks_per_block` since the last block, each slot
+        starting after its last chunk. Returns whether anything was dispatched."""
+        self._forming = bool(self._admissions or self._starting) and not self._decoding()
         did = False
         while self._admissions:
             if self._forming:
@@ -557,12 +557,20 @@ class SlotEngine:
             did = True
             if a.chunk == a.n_chunks:
                 del self._admissions[a.slot]
-                self._start(a, np.array([len(a.req.prompt_ids)], np.int32))
+                if self._forming:
+                    self._starting.append(a)
+                else:
+                    self._start(a)
         if not self._admissions:
-            # the wave decodes once its prefill is done on the device: until then a request that arrives joins it
+            # the wave starts once its prefill is done on the device: until then a request that arrives joins it
             while self._chunk_marks and self._chunk_marks[0].is_ready():
                 self._chunk_marks.popleft()
-            self._forming = bool(self._chunk_marks)
+            if not self._chunk_marks:
+                for a in self._starting:
+                    self._start(a)
+                    did = True
+                self._starting.clear()
+                self._forming = False
         return did
 
     def _prefill_chunk(self, a: _Admission) -> None:
@@ -580,8 +588,9 @@ class SlotEngine:
             self._chunk_marks.append(mark)
         self._bump("prefill_chunks", 1)
 
-    def _start(self, a: _Admission, length: np.ndarray) -> None:
+    def _start(self, a: _Admission) -> None:
         req, slot, plan = a.req, a.slot, self.plan
+        length = np.array([len(req.prompt_ids)], np.int32)
         n = int(length[0])
         p = req.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
@@ -713,6 +722,8 @@ class SlotEngine:
         if self.slots[slot] is req:
             if slot in self._admissions and self._admissions[slot].req is req:
                 del self._admissions[slot]
+            elif any(a.req is req for a in self._starting):
+                self._starting = [a for a in self._starting if a.req is not req]
             elif release and req.phase == "decode" and self.error is None:
                 self._loop = self._progs.release(self.clock, self._loop, np.int32(slot))
             self.slots[slot] = None
