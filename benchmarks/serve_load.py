@@ -4,7 +4,7 @@ requests in batches of N.
 
     python benchmarks/serve_load.py --out benchmarks/results/serve_load_h200 --clients 8 --requests 32 \\
         --prompt-lens 2048,8192,32768,65536 --new-tokens 256 --policies target-only,recent,diffspec
-    python benchmarks/serve_load.py --quick --out /tmp/serve_load          # tiny shapes on a CPU (timings mean nothing)
+    python benchmarks/serve_load.py --quick --out /tmp/serve_load          # tiny shapes on a CPU (a smoke test)
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --api-key KEY --out /tmp/load   # a running server
 
 Without ``--url``, per policy a child process builds a Llama-3.1-8B-shaped target and an EAGLE-3-shaped draft
@@ -21,9 +21,17 @@ Requests arrive as a Poisson process of ``--rate`` requests per second (0: all a
 ``--clients`` concurrent clients (each request waits for a free client), each a stream of prompt ids,
 ``max_tokens = --new-tokens``, greedy, ``ignore_eos``. Per request: TTFT (send -> first token), the gaps between
 streamed chunks, and per token the inter-token latency (a chunk's gap spread over its tokens); server output
-tokens/s = all completion tokens / (last token - first send). ``/metrics`` is read before and after:
-``compiles_after_warmup`` must stay 0. Against ``--url`` only the load runs (tokens per chunk are unknown there:
-chunk gaps, TPOT and usage counts are reported).
+tokens/s = all completion tokens / (last token - first send). The server streams once per device block, so tokens
+arrive in bursts of up to ``--block-cycles`` cycles' tokens: both the per-chunk gaps and the per-token latency are
+reported, with their p99 / p50 (:data:`DEFINITIONS`, also written into the JSON). ``/metrics`` is read before and
+after: ``compiles_after_warmup`` must stay 0. Against ``--url`` only the load runs (tokens per chunk are unknown
+there: chunk gaps, TPOT and usage counts are reported).
+
+Time: each policy's child builds its models, runs the offline baseline, compiles the server's programs and serves
+the load. ``--policy-timeout-s`` kills a child past its limit (the run records the error, the next policy
+starts); ``--time-budget-s`` starts no further policy once the run is past the budget or would be by the mean
+time of the policies so far, and caps each policy's limit at what remains (the JSON lists ``skipped`` policies).
+``serve_load.json`` is rewritten after every policy.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +55,23 @@ POLICIES = ("target-only", "recent", "diffspec")
 #: issue 24's targets (8 concurrent clients on the H200)
 TARGET_THROUGHPUT_RATIO, TARGET_ITL_P99_OVER_P50 = 0.9, 2.0
 CHILD_PREFIX = "SERVE_LOAD "
+#: what each figure of serve_load.json means (written into it)
+DEFINITIONS = {
+    "ttft": "per request: send -> its first streamed token",
+    "chunk_gap": "per streamed chunk after a request's first: the time since the request's previous chunk. The server "
+                 "streams a request's tokens once per device block (up to block_cycles verification cycles), so this "
+                 "is the time between blocks as a client sees it",
+    "itl": "per token after a request's first: its chunk's gap divided by the chunk's tokens (every token of a chunk "
+           "gets the same value; percentiles weigh chunks by their tokens). Needs the ids-as-text tokenizer (not "
+           "with --url)",
+    "tokens_per_chunk": "mean tokens per streamed chunk after the first",
+    "p99_over_p50": "p99 / p50 of the same figure (issue 24's target: itl <= 2)",
+    "tpot": "per request: (last token - first token) / (tokens - 1)",
+    "server tokens/s": "all completion tokens / (the last token - the first send)",
+    "offline tokens/s": "new tokens / sum over batches of (wall - compile_s) of generate() on the same requests in "
+                        "batches of --clients, after a warm-up call (compilation excluded on both sides: the server "
+                        "compiles at its warm-up, before the load, and /metrics counts any compile after it)",
+    "throughput_vs_offline": "server tokens/s / offline tokens/s (issue 24's target: >= 0.9)"}
 
 
 # ------------------------------------------------------------------------------------------ requests
@@ -123,11 +149,19 @@ def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
     return out
 
 
+def _spread(xs) -> dict:
+    return {"p50": pct(xs, 50), "p99": pct(xs, 99), "p99_over_p50": ratio(pct(xs, 99), pct(xs, 50))}
+
+
+def ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def summarize(results: list[dict], ids_text: bool) -> dict:
     """TTFT, chunk gaps, per-token inter-token latency (``ids_text``: the text is the ids, so tokens per chunk are
-    known), TPOT and output tokens/s of one load run."""
+    known), TPOT and output tokens/s of one load run (definitions: :data:`DEFINITIONS`)."""
     ok = [r for r in results if not r.get("error") and r.get("chunks")]
-    ttft, gaps, itl, tpot, tokens = [], [], [], [], 0
+    ttft, gaps, itl, tpot, per_chunk, tokens = [], [], [], [], [], 0
     first_send = min((r["sent"] for r in ok), default=0.0)
     last = max((r["chunks"][-1][0] for r in ok), default=0.0)
     for r in ok:
@@ -137,6 +171,7 @@ def summarize(results: list[dict], ids_text: bool) -> dict:
         if ids_text:
             counts = [text.count(" ") for _, text in r["chunks"]]
             n = sum(counts)
+            per_chunk += counts[1:]
             for (t_prev, t), c in zip(zip(times, times[1:]), counts[1:]):
                 itl += [(t - t_prev) / c] * c
         gaps += list(np.diff(times))
@@ -148,9 +183,8 @@ def summarize(results: list[dict], ids_text: bool) -> dict:
                                                                       if r.get("error")][:5],
             "output_tokens": tokens, "span_s": span, "output_tokens_per_s": tokens / span if span > 0 else None,
             "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "mean": float(np.mean(ttft)) if ttft else None},
-            "chunk_gap_s": {"p50": pct(gaps, 50), "p99": pct(gaps, 99)},
-            "itl_s": {"p50": pct(itl, 50), "p99": pct(itl, 99)} if ids_text else None,
-            "tpot_s": {"p50": pct(tpot, 50), "p99": pct(tpot, 99)}}
+            "chunk_gap_s": _spread(gaps), "itl_s": _spread(itl) if ids_text else None,
+            "tokens_per_chunk": float(np.mean(per_chunk)) if per_chunk else None, "tpot_s": _spread(tpot)}
 
 
 def run_load(url: str, prompts, args, ids_text: bool) -> dict:
@@ -199,14 +233,26 @@ def _spec(policy: str, args):
 
 
 def offline(target, draft, prompts, args) -> dict:
-    """``generate()`` on the requests in batches of ``--clients``: a warm-up call, then every batch timed."""
+    """``generate()`` on the requests in batches of ``--clients``: a warm-up call, then every batch timed.
+
+    Every call gets the cache capacity ``generate()`` picks for the longest prompt of all (so the batches share
+    their programs). The warm-up compiles those programs on the first batch cut to two prefill chunks and two new
+    tokens (what remains to compile in a timed call is in its ``compile_s``, subtracted)."""
     import gc
 
     from diffspec_jax import generate
+    from diffspec_jax.engine.compile import capacity_bucket
+    from diffspec_jax.target import plan_prefill
 
-    kw = dict(max_new_tokens=args.new_tokens, stop_token_ids=(), spec=_spec(args.policy, args))
+    spec = _spec(args.policy, args)
+    k = spec.num_speculative_tokens if draft is not None else 0
+    tc = target.config
+    cap = capacity_bucket(max(map(len, prompts)) + args.new_tokens + k + 1, tc.max_position_embeddings + k + 1)
+    kw = dict(stop_token_ids=(), spec=spec, max_cache_len=cap)
     batches = [prompts[i:i + args.clients] for i in range(0, len(prompts), args.clients)]
-    generate(target, draft, batches[0], **kw)
+    width, _ = plan_prefill([len(p) for p in batches[0]], None)
+    generate(target, draft, [p[:width + 1] for p in batches[0]], max_new_tokens=2, **kw)
+    kw["max_new_tokens"] = args.new_tokens
     tokens, busy, compile_s, rows = 0, 0.0, 0.0, []
     for b in batches:
         t = time.perf_counter()
@@ -226,7 +272,6 @@ def offline(target, draft, prompts, args) -> dict:
 def child(args) -> int:
     """Offline baseline, then the server on ``--port`` until terminated (reports on stdout)."""
     import gc
-    import threading
 
     import uvicorn
 
@@ -243,6 +288,7 @@ def child(args) -> int:
     engine = SlotEngine(target, draft, _spec(args.policy, args),
                         EngineConfig(max_num_seqs=args.clients, max_model_len=max_len,
                                      prefill_chunk=args.prefill_chunk, block_cycles=args.block_cycles,
+                                     max_prefill_per_block=args.max_prefill_per_block,
                                      request_timeout=args.timeout_s))
     t = time.perf_counter()
     engine.start()
@@ -250,6 +296,7 @@ def child(args) -> int:
 
     info = {"warmup_s": time.perf_counter() - t, "compiles": engine.compiles, "compile_s": engine.clock.seconds,
             "capacity": engine.capacity, "prefill_chunk": engine.prefill_chunk, "block_cycles": engine.block_cycles,
+            "prefill_chunks_per_block": engine.chunks_per_block,
             "environment": environment(sys.argv)}
     app = create_app(engine, IdsTokenizer(), model_name="bench")
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning"))
@@ -270,19 +317,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_policy(policy: str, args) -> dict:
-    """One child for ``policy``: its offline baseline, then the load against its server."""
+def run_policy(policy: str, args, limit_s: float | None = None) -> dict:
+    """One child for ``policy``: its offline baseline, then the load against its server. ``limit_s``: the child
+    is killed past this many seconds (the run then has ``error`` and what it had measured)."""
     port = _free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--policy", policy, "--port", str(port)]
     for key in ("clients", "requests", "prompt_lens", "new_tokens", "seed", "k", "budget", "chunk", "timeout_s"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    for key in ("prefill_chunk", "block_cycles"):
+    for key in ("prefill_chunk", "block_cycles", "max_prefill_per_block"):
         if getattr(args, key) is not None:
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.quick:
         cmd.append("--quick")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy())
     out: dict = {"policy": policy}
+    t0 = time.perf_counter()
+    watchdog = None
+    if limit_s is not None:
+        def kill():
+            out["error"] = f"killed after the policy's time limit ({limit_s:.0f} s)"
+            proc.kill()
+        watchdog = threading.Timer(limit_s, kill)
+        watchdog.daemon = True
+        watchdog.start()
     try:
         for line in proc.stdout:
             if line.startswith(CHILD_PREFIX):
@@ -290,22 +347,28 @@ def run_policy(policy: str, args) -> dict:
                 if "ready" in out:
                     break
         if "ready" not in out:
-            raise RuntimeError(f"the {policy} child exited ({proc.wait()}) before serving")
-        from benchmarks.long_context import shapes
+            out.setdefault("error", f"the {policy} child exited ({proc.wait()}) before serving")
+        else:
+            from benchmarks.long_context import shapes
 
-        prompts = make_requests(args, shapes(args.quick)[0].vocab_size)
-        out["server"] = run_load(f"http://127.0.0.1:{port}", prompts, args, ids_text=True)
+            prompts = make_requests(args, shapes(args.quick)[0].vocab_size)
+            out["server"] = run_load(f"http://127.0.0.1:{port}", prompts, args, ids_text=True)
+    except Exception as exc:  # noqa: BLE001  (the child killed mid-load: keep the other policies' results)
+        out.setdefault("error", f"{type(exc).__name__}: {exc}")
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         proc.stdin.close()
         try:
             proc.wait(90)
         except subprocess.TimeoutExpired:
             proc.kill()
+    out["wall_s"] = time.perf_counter() - t0
     off = out.get("offline", {}).get("output_tokens_per_s")
     srv = out.get("server", {}).get("output_tokens_per_s")
-    itl = (out.get("server", {}).get("itl_s") or {})
-    out["throughput_vs_offline"] = srv / off if srv and off else None
-    out["itl_p99_over_p50"] = itl["p99"] / itl["p50"] if itl.get("p50") else None
+    out["throughput_vs_offline"] = ratio(srv, off)
+    out["itl_p99_over_p50"] = (out.get("server", {}).get("itl_s") or {}).get("p99_over_p50")
+    out["chunk_gap_p99_over_p50"] = (out.get("server", {}).get("chunk_gap_s") or {}).get("p99_over_p50")
     return out
 
 
@@ -368,7 +431,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--block-cycles", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout-s", type=float, default=1800.0)
+    ap.add_argument("--max-prefill-per-block", type=int, default=None,
+                    help="the server's prompt tokens between two decode blocks while slots decode (default one chunk)")
+    ap.add_argument("--timeout-s", type=float, default=1800.0, help="per request (server and client)")
+    ap.add_argument("--policy-timeout-s", type=float, default=0.0,
+                    help="kill a policy's child after this many seconds (0: no limit)")
+    ap.add_argument("--time-budget-s", type=float, default=0.0,
+                    help="start no further policy once the run is past this many seconds, or would be by the mean "
+                         "time of the policies run so far; each policy's time limit is at most what remains (0: none)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and a small load (CPU smoke test)")
     ap.add_argument("--out", default=None, help="output directory: serve_load.json and serve_load.png (required)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -381,7 +451,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     if args.quick:  # small defaults for what the command line leaves at its defaults
         defaults = parser().parse_args([])
-        for key, value in (("clients", 4), ("requests", 8), ("prompt_lens", "24,60,120"), ("new_tokens", 12),
+        for key, value in (("clients", 4), ("requests", 8), ("prompt_lens", "64,256,512"), ("new_tokens", 64),
                            ("budget", 64), ("chunk", 16), ("prefill_chunk", 32)):
             if getattr(args, key) == getattr(defaults, key):
                 setattr(args, key, value)
@@ -395,11 +465,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "serve_load: OpenAI server under concurrent streaming clients vs offline generate()",
                "settings": vars(args), "runs": [],
-               "definitions": {"ttft": "send -> first streamed token", "chunk_gap": "time between streamed chunks",
-                               "itl": "per token: its chunk's gap / the chunk's tokens",
-                               "tpot": "(last token - first token) / (tokens - 1) per request",
-                               "server tokens/s": "completion tokens / (last token - first send)",
-                               "offline tokens/s": "new tokens / sum(wall - compile_s) of generate() per batch"},
+               "definitions": DEFINITIONS,
                "targets": {"throughput_vs_offline": TARGET_THROUGHPUT_RATIO,
                            "itl_p99_over_p50": TARGET_ITL_P99_OVER_P50}}
     if args.url:
@@ -412,10 +478,23 @@ def main(argv=None) -> int:
 
         payload["note"] = RANDOM_NOTE + ("; tiny shapes (--quick)" if args.quick else
                                          "; Llama-3.1-8B-shaped target, EAGLE-3-shaped draft")
-        for policy in args.policies.split(","):
+        policies = args.policies.split(",")
+        for policy in policies:
             if policy not in POLICIES:
-                raise SystemExit(f"--policies takes names of {POLICIES}, got {policy!r}")
-            payload["runs"].append(run_policy(policy, args))
+                parser().error(f"--policies takes names of {POLICIES}, got {policy!r}")
+        t0 = time.perf_counter()
+        for policy in policies:
+            limit = args.policy_timeout_s or None
+            if args.time_budget_s:
+                spent = time.perf_counter() - t0
+                mean = spent / len(payload["runs"]) if payload["runs"] else 0.0
+                if spent + mean > args.time_budget_s:
+                    payload.setdefault("skipped", []).append(policy)
+                    print(f"skipping {policy}: {spent:.0f} s spent of --time-budget-s {args.time_budget_s:g}"
+                          f" (mean {mean:.0f} s per policy)", flush=True)
+                    continue
+                limit = min(limit or np.inf, args.time_budget_s - spent)
+            payload["runs"].append(run_policy(policy, args, limit))
             write_json(out / "serve_load.json", payload)
     write_json(out / "serve_load.json", payload)
     png = plot(payload, out / "serve_load.png")
@@ -424,7 +503,7 @@ def main(argv=None) -> int:
         print(json.dumps({"policy": r["policy"], "server_tok_s": s.get("output_tokens_per_s"),
                           "offline_tok_s": (r.get("offline") or {}).get("output_tokens_per_s"),
                           "ratio": r.get("throughput_vs_offline"), "ttft": s.get("ttft_s"), "itl": s.get("itl_s"),
-                          "metrics": s.get("metrics")}))
+                          "metrics": s.get("metrics"), **({"error": r["error"]} if r.get("error") else {})}))
     print(f"wrote {out / 'serve_load.json'}" + (f" and {png}" if png else ""))
     return 0
 
