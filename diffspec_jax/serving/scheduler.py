@@ -4,9 +4,10 @@ One :class:`SlotEngine` owns a batch of ``max_num_seqs`` slots at a fixed cache 
 rounded as :func:`~diffspec_jax.engine.compile.capacity_bucket` rounds it) and runs in its own thread. Requests
 wait in a bounded queue; every waiting request that a free slot can take is admitted at once, and its prompt is
 prefilled into that slot in chunks of one fixed width (:mod:`diffspec_jax.engine.slots`; the admission with the
-fewest chunks left goes first), then it decodes with the others in the engine's device loop (:func:`~diffspec_jax.engine.loop._block`, every
-slot with its own stop ids, sampling parameters, key, working cache and retrieval cadence). It leaves when it is
-done (a stop id, its token limit, a stop string, a cancellation, its timeout) and the slot is reused.
+fewest chunks left goes first), then it decodes with the others in the engine's device loop
+(:func:`~diffspec_jax.engine.loop._block`, every slot with its own stop ids, sampling parameters, key, working
+cache and retrieval cadence). It leaves when it is done (a stop id, its token limit, a stop string, a
+cancellation, its timeout) and the slot is reused.
 
 Prefill is scheduled in one of two modes:
 
@@ -20,10 +21,9 @@ Prefill is scheduled in one of two modes:
   one) are prefilled between two decode blocks, so the running requests' inter-token latency grows by at most
   that much prefill per block.
 
-Every
-program is compiled once, at warm-up; no mix of prompt lengths, sampling parameters or arrivals compiles again
-(:attr:`SlotEngine.compiles` counts the engine's programs, :attr:`SlotEngine.xla_compiles` every XLA
-compilation of the process).
+Every program is compiled once, at warm-up; no mix of prompt lengths, sampling parameters, arrivals or prefill
+modes compiles again (:attr:`SlotEngine.compiles` counts the engine's programs, :attr:`SlotEngine.xla_compiles`
+every XLA compilation of the process).
 
 As in ``generate()`` the host keeps up to two blocks in flight ahead of the one it reads. Results reach a request
 through its ``sink`` (called on the engine thread with :class:`Event` values); what happens to the text
