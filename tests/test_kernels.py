@@ -200,8 +200,8 @@ def test_engine_on_pallas_kernels_matches_reference(tp, targets, drafts, monkeyp
         pytest.skip(f"needs {tp} devices, {jax.device_count()} visible")
 
     prompts = random_prompts(12, (90, 41))
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=8, diffspec_token_budget=40,
-                      num_speculative_tokens=3, diffspec_retrieval_interval=2)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=8, diffspec_token_budget=40,
+                                     num_speculative_tokens=3, diffspec_retrieval_interval=2))
     monkeypatch.setenv("DIFFSPEC_KERNELS", "reference")
     ref = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=12, spec=spec, stop_token_ids=())
     monkeypatch.setenv("DIFFSPEC_KERNELS", "pallas")

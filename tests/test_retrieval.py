@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffspec_jax import SpecConfig
+from diffspec_jax import Full, SpecConfig
 from diffspec_jax.config import DraftConfig, RopeConfig
 from diffspec_jax.engine import _RetrievalControl
 from diffspec_jax.errors import ConfigError
@@ -155,8 +155,8 @@ def test_gather_rope_write_equals_rotating_the_gathered_rows(interleaved, partia
     from diffspec_jax.models.eagle3 import rope
 
     cfg = small_draft_config(interleaved, partial)
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=24,
-                      num_speculative_tokens=3)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=24,
+                                     num_speculative_tokens=3))
     rng = np.random.default_rng(3)
     cache = DraftCache.create(cfg, spec, 2, 64, jnp.float32)
     cache = cache.replace(store_k=jnp.asarray(rng.standard_normal(cache.store_k.shape), jnp.float32),
@@ -182,8 +182,8 @@ def test_draft_attention_over_working_cache_equals_dense_attention_on_selected_t
     from diffspec_jax.models.layers import attention_dense, causal_mask
 
     cfg = small_draft_config()
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=24,
-                      num_speculative_tokens=3)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=24,
+                                     num_speculative_tokens=3))
     rng = np.random.default_rng(4)
     cache = DraftCache.create(cfg, spec, 1, 64, jnp.float32)
     cache = cache.replace(store_k=jnp.asarray(rng.standard_normal(cache.store_k.shape), jnp.float32),
@@ -234,22 +234,22 @@ def test_salience_scores_and_chunk_sums():
 ])
 def test_invalid_combinations(kw, needle):
     with pytest.raises(ConfigError, match=needle):
-        SpecConfig(draft_context_policy="diffspec", **kw)
+        SpecConfig.from_flat(dict(draft_context_policy="diffspec", **kw))
 
 
 def test_defaults_follow_the_reference_table():
-    s = SpecConfig(draft_context_policy="diffspec", num_speculative_tokens=3)
-    assert (s.diffspec_chunk_size, s.diffspec_token_budget, s.diffspec_retrieval_interval) == (64, 2048, 4)
+    s = SpecConfig.from_flat(dict(draft_context_policy="diffspec", num_speculative_tokens=3))
+    assert (s.context.chunk_size, s.context.token_budget, s.context.retrieval_interval) == (64, 2048, 4)
     assert (s.history_budget, s.max_chunks) == (1984, 31)
-    assert SpecConfig(draft_context_policy="diffspec", num_speculative_tokens=5,
-                      diffspec_chunk_size=32).history_budget == 2016
-    assert SpecConfig().draft_context_policy == "full" and not SpecConfig().diffspec_adaptive_profile
+    assert SpecConfig.from_flat(dict(draft_context_policy="diffspec", num_speculative_tokens=5,
+                                     diffspec_chunk_size=32)).history_budget == 2016
+    assert SpecConfig().context == Full() and not SpecConfig().verification.adaptive
 
 
 # ---------------------------------------------------------------------------------- adaptive interval
 def test_adaptive_interval_doubles_on_stable_selections_and_resets_on_change():
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=64,
-                      num_speculative_tokens=3, diffspec_retrieval_interval=8, diffspec_adaptive_profile=True)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=64,
+                                     num_speculative_tokens=3, diffspec_retrieval_interval=8, diffspec_adaptive_profile=True))
     ctl = _RetrievalControl(spec, 1)
     root = 400  # newest chunk 100
     same = np.array([[1, 2, 3] + [-1] * 11])  # [ranks, A]

@@ -157,8 +157,8 @@ def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: Sp
             raise ConfigError(f"vocabulary mismatch: draft vocab_size {draft.config.vocab_size} vs target "
                               f"{target.config.vocab_size}")
         draft.config.resolve_aux_layers(target.config)
-        if spec.draft_context_policy == "diffspec":
-            spec.scoring_layer(target.config)
+        if spec.context.policy == "diffspec":
+            spec.context.layer_for(target.config)
         if spec.tree:
             ensure_tree_supported(target.config)
     return out
@@ -255,7 +255,7 @@ def _stop_rows(plan: Plan, loop: LoopState, rows: np.ndarray, out: _Output) -> L
 
 
 def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             spec: SpecConfig = SpecConfig(), sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+             spec: SpecConfig | None = None, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
              stop_token_ids: Sequence[int] | None = None, max_cache_len: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_tokens: Callable[[int, list[int]], None] | None = None,
              progress: bool = False, proposer: Callable | None = None, mesh: Mesh | None = None,
@@ -270,7 +270,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             sink chunk always kept) or ``None``.
         prompts: a list of token-id lists (lengths may differ).
         max_new_tokens: exactly this many tokens per prompt unless a stop token comes first.
-        spec: :class:`SpecConfig` (K, draft context policy, DiffSpec settings); ignored without a draft.
+        spec: :class:`SpecConfig` (K, draft context, verification; default ``SpecConfig()``); K and the draft
+            settings are ignored without a draft.
         sampling: :class:`SamplingConfig` (temperature 0 = greedy).
         seed: sampling seed.
         stop_token_ids: generation of a sequence stops after one of these (default: the target's EOS ids;
@@ -305,6 +306,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         InputError / ConfigError for bad input (empty prompt, prompt longer than the cache, ...).
     """
     t_call = time.perf_counter()
+    spec = SpecConfig() if spec is None else spec
     self_draft = is_self(draft)
     if isinstance(draft, str) and not self_draft:
         raise ConfigError(f"draft must be a loaded draft (load_draft), {SELF!r} (the target drafts for itself) or "
@@ -328,7 +330,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                           "'tree'")
     k = spec.num_speculative_tokens if speculative else 0
     if spec.tree and speculative:
-        k_block = spec.diffspec_max_tree_nodes  # the tree block occupies max_tree_nodes + 1 cache rows
+        k_block = spec.verification.max_nodes  # the tree block occupies max_tree_nodes + 1 cache rows
     else:
         k_block = k
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -368,7 +370,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     batch = len(prompts)
     cycles = block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
     stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
-                          draft_context_policy=spec.draft_context_policy if draft is not None or self_draft
+                          draft_context_policy=spec.context.policy if draft is not None or self_draft
                           else None,
                           verification_mode="tree" if plan.tree_mode else "linear" if speculative else None,
                           block_cycles=int(cycles), cache_capacity=capacity)
@@ -550,7 +552,7 @@ def _retrieve_after_prefill(plan, progs, clock, ctl, tparams, dparams, state, le
     for no row (nothing changes) when no row retrieves now."""
     b = len(lengths)
     mask = np.zeros(b, bool)
-    if plan.spec.diffspec_retrieve_after_prefill:
+    if plan.spec.context.retrieve_after_prefill:
         mask = np.array([i < real and not ctl.fits(int(lengths[i]) - 1) for i in range(b)])
     else:
         for i in range(real):

@@ -69,7 +69,7 @@ def init_slots(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple[Decod
     zero = jnp.zeros((batch,), jnp.int32)
     cad = depth = None
     if plan.diffspec:
-        cad = Cadence(since=zero, interval=zero + plan.spec.diffspec_retrieval_interval, accept_sum=zero,
+        cad = Cadence(since=zero, interval=zero + plan.spec.context.retrieval_interval, accept_sum=zero,
                       accept_n=zero, prev_sum=zero, prev_n=zero, selected=jnp.zeros((batch, plan.num_chunks), bool))
     if plan.adaptive_depth:
         depth = DepthControl(depth=zero + plan.k, floor=zero + plan.k, good=zero, bad=zero)
@@ -82,7 +82,7 @@ def parked_length(plan: Plan) -> int:
     (``k_block + 1`` rows: K + 1, or a tree's ``max_tree_nodes + 1``) ends at the capacity, so every write and read
     of a masked cycle stays inside the cache, past any prompt (a request needs ``prompt + max_tokens <=
     max_model_len <= capacity - k_block - 1``)."""
-    k_block = plan.spec.diffspec_max_tree_nodes if plan.tree_mode else plan.k
+    k_block = plan.spec.verification.max_nodes if plan.tree_mode else plan.k
     return plan.capacity - k_block - 1
 
 
@@ -158,7 +158,7 @@ def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState
                         limit=_set(loop.limit, slot, limit))
     if loop.cadence is not None:
         zero = jnp.zeros((1,), jnp.int32)
-        fresh = Cadence(since=zero, interval=zero + plan.spec.diffspec_retrieval_interval, accept_sum=zero,
+        fresh = Cadence(since=zero, interval=zero + plan.spec.context.retrieval_interval, accept_sum=zero,
                         accept_n=zero, prev_sum=zero, prev_n=zero,
                         selected=jnp.zeros((1, plan.num_chunks), bool))
         cad = _cadence_record(plan, fresh, retrieve[None], anchors[None], length - 1)

@@ -208,16 +208,17 @@ class SlotEngine:
 
     Args:
         target, draft: loaded models (``draft=None``: the target alone).
-        spec: :class:`SpecConfig` (K, policy, DiffSpec settings).
+        spec: :class:`SpecConfig` (K, draft context, verification; default ``SpecConfig()``).
         config: :class:`EngineConfig`.
         eos_token_ids: the ids that end every request unless it asks ``ignore_eos`` (default: the target
             config's EOS ids).
     """
 
-    def __init__(self, target: TargetModel, draft=None, spec: SpecConfig = SpecConfig(),
+    def __init__(self, target: TargetModel, draft=None, spec: SpecConfig | None = None,
                  config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] | None = None):
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
+        spec = SpecConfig() if spec is None else spec
         _validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
         if spec.draft_sampling != "argmax":
             raise ConfigError(f"draft_sampling={spec.draft_sampling!r}: request slots draft by argmax (each slot "
@@ -226,7 +227,7 @@ class SlotEngine:
         self.target, self.draft, self.spec, self.config = target, draft, spec, config
         speculative = draft is not None
         k = spec.num_speculative_tokens if speculative else 0
-        k_block = spec.diffspec_max_tree_nodes if speculative and spec.tree else k
+        k_block = spec.verification.max_nodes if speculative and spec.tree else k
         self.max_model_len = config.max_model_len or min(tc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > tc.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the target's context window "
@@ -380,7 +381,7 @@ class SlotEngine:
     @property
     def policy(self) -> str:
         """The drafting policy, as metrics label it: ``target-only`` or the draft context policy."""
-        return self.spec.draft_context_policy if self.draft is not None else "target-only"
+        return self.spec.context.policy if self.draft is not None else "target-only"
 
     # ----------------------------------------------------------------------------------------- engine thread
     def _bump(self, key: str, n: int = 1) -> None:
@@ -523,7 +524,7 @@ class SlotEngine:
         self._stopsets[slot] = frozenset(stops)
         self._stops[slot] = -1
         self._stops[slot, :len(stops)] = sorted(stops)
-        retrieve = bool(plan.diffspec and self.spec.diffspec_retrieve_after_prefill and not self._ctl.fits(n - 1))
+        retrieve = bool(plan.diffspec and self.spec.context.retrieve_after_prefill and not self._ctl.fits(n - 1))
         self._shape.reset(slot, n)
         depth = floor = plan.k
         if plan.adaptive_depth:
@@ -568,7 +569,7 @@ class SlotEngine:
             if retrieve:
                 self._ctl.record(slot, anchors, len(req.prompt_ids) - 1, 0.0, True)
                 self._bump("retrievals", 1)
-            elif not self.spec.diffspec_retrieve_after_prefill:
+            elif not self.spec.context.retrieve_after_prefill:
                 self._ctl.skip_prefill(slot)
         req.first_token_at = time.monotonic()
         self._bump("prompt_tokens", len(req.prompt_ids))
