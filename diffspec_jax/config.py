@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping
@@ -790,6 +791,23 @@ DRAFT_CONTEXT_POLICIES = ("full", "recent", "diffspec")
 DIFFSPEC_SCORERS = ("attention", "salience")
 DRAFT_SAMPLING = ("argmax", "sample")
 VERIFICATION_MODES = ("auto", "linear", "tree")
+#: kernel implementations of the hot paths (:mod:`pallas_kernels.dispatch`): ``"auto"`` = Pallas on GPUs and the
+#: pure-JAX references elsewhere; ``"pallas"`` on a CPU interprets the kernels (slow, for tests)
+KERNEL_CHOICES = ("auto", "reference", "pallas")
+#: the environment variable that gives :attr:`SpecConfig.kernels` its default, read when a SpecConfig is built
+KERNELS_ENV = "DIFFSPEC_KERNELS"
+
+
+def default_kernels(environ: Mapping[str, str] | None = None) -> str:
+    """The default of :attr:`SpecConfig.kernels`: ``$DIFFSPEC_KERNELS`` (``reference`` / ``pallas`` / ``auto``) when
+    set, else ``"auto"``. Read once per SpecConfig, when it is built (never while a program is traced)."""
+    env = os.environ if environ is None else environ
+    choice = (env.get(KERNELS_ENV) or "").strip().lower()
+    if not choice:
+        return "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ConfigError(f"{KERNELS_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
+    return choice
 
 
 def _positive_int(value: Any, name: str) -> None:
@@ -854,6 +872,7 @@ FIELD_CHECKS: dict[str, Callable[[Any, str], None]] = {
     "diffspec_redundancy_weight": _weight,
     "diffspec_scoring_layer": _layer_or_none,
     "draft_tensor_parallel_size": _positive_or_none,
+    "kernels": _choice(KERNEL_CHOICES),
 }
 #: the flat keys :meth:`SpecConfig.from_flat` accepts
 FLAT_KEYS = tuple(FIELD_CHECKS)
@@ -1062,6 +1081,8 @@ class SpecConfig:
             and vLLM) or ``"sample"`` (drawn from the draft's processed distribution; verification uses that q;
             chains only). Greedy decoding always drafts by argmax.
         draft_tensor_parallel_size: with a mesh, 1 = replicated draft, or the target's tp [None = the target's].
+        kernels: the hot paths' implementation, ``"auto"`` (Pallas on GPUs, the pure-JAX references elsewhere),
+            ``"reference"`` or ``"pallas"`` [``$DIFFSPEC_KERNELS``, else ``"auto"``; :func:`default_kernels`].
 
     The properties :attr:`tree`, :attr:`uses_working_cache`, :attr:`history_budget` and :attr:`max_chunks` are
     facts derived from the parts.
@@ -1072,9 +1093,10 @@ class SpecConfig:
     verification: Chain | Tree = Chain()
     draft_sampling: str = "argmax"
     draft_tensor_parallel_size: int | None = None
+    kernels: str = field(default_factory=default_kernels)
 
     def __post_init__(self) -> None:
-        for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size"):
+        for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size", "kernels"):
             FIELD_CHECKS[key](getattr(self, key), key)
         if not isinstance(self.context, (Full, Recent, DiffSpec)):
             raise ConfigError(f"context must be Full(), Recent(...) or DiffSpec(...), got {_show(self.context)}")
@@ -1114,7 +1136,7 @@ class SpecConfig:
     def from_flat(cls, d: Mapping[str, Any]) -> SpecConfig:
         """A SpecConfig from the seed plugin's flat ``speculative_config`` keys (:data:`FLAT_KEYS`:
         ``num_speculative_tokens``, ``draft_context_policy``, ``draft_sampling``, ``diffspec_*``,
-        ``draft_tensor_parallel_size``). Absent keys take the defaults; every given value is
+        ``draft_tensor_parallel_size``, and ``kernels``). Absent keys take the defaults; every given value is
         checked, also those the chosen policy and verification mode do not use; ``diffspec_adaptive_profile``
         switches on every adaptive part (retrieval interval, chain depth, tree node budget); the verification
         modes ``"auto"`` and ``"linear"`` are both :class:`Chain`. An unknown key is a ConfigError."""
@@ -1127,8 +1149,8 @@ class SpecConfig:
             FIELD_CHECKS[key](value, key)
         context = CONTEXTS[d.get("draft_context_policy", Full.policy)].from_flat(d)
         verification = (Tree if d.get("diffspec_verification_mode") == Tree.mode else Chain).from_flat(d)
-        top = {key: d[key] for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size")
-               if key in d}
+        top = {key: d[key] for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size",
+                                       "kernels") if key in d}
         return cls(context=context, verification=verification, **top)
 
     def replace(self, **changes: Any) -> SpecConfig:

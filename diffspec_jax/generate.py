@@ -39,7 +39,7 @@ from diffspec_jax import target as tgt
 from diffspec_jax.draft import load_draft
 from diffspec_jax.mesh import make_mesh
 from diffspec_jax.target import check_token_ids, load_target
-from diffspec_jax.config import DiffSpec, SamplingConfig, SpecConfig, Tree
+from diffspec_jax.config import KERNEL_CHOICES, KERNELS_ENV, DiffSpec, SamplingConfig, SpecConfig, Tree
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
 from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_int, check_stop_strings, read_text,
                                      report_error)
@@ -170,18 +170,24 @@ def add_spec_arguments(ap) -> None:
                     help="tree mode: stop expanding once a level adds less draft probability mass than this")
     ap.add_argument("--adaptive", action="store_true",
                     help="adapt per sequence: retrieval interval, chain depth (chain mode), node budget (tree mode)")
+    ap.add_argument("--kernels", default=None, choices=KERNEL_CHOICES,
+                    help=f"hot-path kernels: auto (Pallas on GPUs, the pure-JAX references elsewhere) | reference | "
+                         f"pallas (default: ${KERNELS_ENV}, else auto)")
 
 
 def spec_from_args(args, draft_tp: int | None = None) -> SpecConfig:
     """The :class:`SpecConfig` of :func:`add_spec_arguments`' options, built from their flat names
-    (:meth:`SpecConfig.from_flat`; ``--policy`` defaults to ``diffspec``)."""
-    return SpecConfig.from_flat(dict(
+    (:meth:`SpecConfig.from_flat`; ``--policy`` defaults to ``diffspec``, ``--kernels`` to ``$DIFFSPEC_KERNELS``)."""
+    flat = dict(
         num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=args.policy or "diffspec",
         diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
         diffspec_retrieval_interval=args.retrieval_interval, diffspec_verification_mode=args.verification_mode,
         diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,
         diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
-        diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=draft_tp))
+        diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=draft_tp)
+    if args.kernels is not None:
+        flat["kernels"] = args.kernels
+    return SpecConfig.from_flat(flat)
 
 
 def build_parser() -> ArgumentParser:

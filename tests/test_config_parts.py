@@ -1,14 +1,17 @@
 """SpecConfig by feature: each part validates its own fields where it is built, SpecConfig the rules that join
-parts, and the seed plugin's flat keys build the same objects (SpecConfig.from_flat)."""
+parts, and the seed plugin's flat keys build the same objects (SpecConfig.from_flat); the runtime Session keeps
+programs and prepared params per plan / model."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
-from diffspec_jax import Chain, DiffSpec, Full, Recent, SpecConfig, Tree
-from diffspec_jax.config import FLAT_KEYS
+from diffspec_jax import Chain, DiffSpec, Full, Recent, SamplingConfig, SpecConfig, Tree, make_mesh
+from diffspec_jax.config import FLAT_KEYS, default_kernels
+from diffspec_jax.engine import Plan, Session
 from diffspec_jax.errors import ConfigError
 
 
@@ -56,9 +59,9 @@ def test_from_flat_builds_the_parts():
     flat = dict(num_speculative_tokens=3, draft_context_policy="diffspec", diffspec_chunk_size=16,
                 diffspec_token_budget=256, diffspec_retrieval_interval=2, diffspec_adaptive_profile=True,
                 diffspec_scorer="salience", diffspec_verification_mode="tree", diffspec_max_tree_nodes=20,
-                diffspec_tree_topk=4, diffspec_tree_branching="full")
+                diffspec_tree_topk=4, diffspec_tree_branching="full", kernels="reference")
     spec = SpecConfig.from_flat(flat)
-    assert spec == SpecConfig(num_speculative_tokens=3,
+    assert spec == SpecConfig(num_speculative_tokens=3, kernels="reference",
                               context=DiffSpec(chunk_size=16, token_budget=256, retrieval_interval=2, adaptive=True,
                                                scorer="salience"),
                               verification=Tree(max_nodes=20, topk=4, branching="full", adaptive=True))
@@ -67,7 +70,7 @@ def test_from_flat_builds_the_parts():
     assert SpecConfig.from_flat({}) == SpecConfig()
     assert SpecConfig.from_flat({"draft_context_policy": "recent", "diffspec_verification_mode": "linear"}) == \
         SpecConfig(context=Recent(), verification=Chain())
-    assert len(FLAT_KEYS) == 20
+    assert len(FLAT_KEYS) == 21
     # values the chosen parts do not use are still checked (as the flat class did), then dropped
     with pytest.raises(ConfigError, match="diffspec_retrieval_interval must be a positive integer"):
         SpecConfig.from_flat({"draft_context_policy": "full", "diffspec_retrieval_interval": 0})
@@ -76,3 +79,32 @@ def test_from_flat_builds_the_parts():
         SpecConfig.from_flat({"diffspec_chunk": 64})
     with pytest.raises(ConfigError, match="must be a dict"):
         SpecConfig.from_flat([("num_speculative_tokens", 3)])
+
+
+def test_kernels_default_comes_from_the_environment_once(monkeypatch):
+    monkeypatch.setenv("DIFFSPEC_KERNELS", "pallas")
+    spec = SpecConfig()
+    monkeypatch.setenv("DIFFSPEC_KERNELS", "reference")
+    assert spec.kernels == "pallas" and SpecConfig().kernels == "reference"
+    assert default_kernels({}) == "auto" and default_kernels({"DIFFSPEC_KERNELS": " Pallas "}) == "pallas"
+
+
+def test_session_keeps_programs_and_prepared_params(targets):
+    """Programs per plan (the kernel choice is part of the key), prepared params per (model, mesh, tp); a new
+    session starts empty."""
+    cfg = targets["llama"].config
+    plan = Plan(target=cfg, draft=None, spec=SpecConfig(kernels="reference"), sampling=SamplingConfig(),
+                aux_layers=(), capacity=128)
+    other = dataclasses.replace(plan, spec=SpecConfig(kernels="pallas"))
+    assert (plan.kernels, other.kernels) == ("reference", "pallas")
+    a, b = Session(), Session()
+    assert a.programs(plan) is a.programs(plan) and a.programs(plan) is not a.programs(other)
+    assert a.programs(plan) is not b.programs(plan)
+    small = Session(max_plans=1)
+    first = small.programs(plan)
+    small.programs(other)
+    assert small.programs(plan) is not first  # the least recently used plan was dropped
+    mesh = make_mesh(2)
+    p1 = a.prepare(targets["llama"], mesh, 2)
+    assert a.prepare(targets["llama"], mesh, 2) is p1 and b.prepare(targets["llama"], mesh, 2) is not p1
+    np.testing.assert_array_equal(np.asarray(p1["embed"]), np.asarray(b.prepare(targets["llama"], mesh, 2)["embed"]))

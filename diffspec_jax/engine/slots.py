@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from diffspec_jax.cache import HybridCache
-from diffspec_jax.engine.compile import _Program
+from diffspec_jax.engine.compile import _Program, bind
 from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
 from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
 from diffspec_jax.engine.retrieve import _retrieve
@@ -175,17 +175,16 @@ def slot_release(plan: Plan, loop: LoopState, slot) -> LoopState:
     return loop.replace(done=_set(loop.done, slot, True))
 
 
-@functools.lru_cache(maxsize=16)
 def slot_programs(plan: Plan) -> SimpleNamespace:
     """The ahead-of-time compiled :class:`_Program` of each slot function for ``plan`` (state, loop and the
     prefill accumulator donated): ``reset``, ``prefill`` (``prefill_first``: a prompt's first chunk), ``start``,
-    ``release``. Without a mesh only."""
+    ``release``. Without a mesh only. A :class:`~diffspec_jax.engine.session.Session` keeps them per plan."""
     if plan.mesh is not None:
         raise ConfigError("request slots run on one device: a plan with a mesh (tensor parallelism) is not "
                           "supported by the slot programs yet")
 
     def make(fn, donate):
-        return _Program(jax.jit(functools.partial(fn, plan), donate_argnums=donate))
+        return _Program(jax.jit(bind(fn, plan), donate_argnums=donate))
 
     return SimpleNamespace(reset=make(slot_reset, (0,)), prefill=make(slot_prefill, (2, 3)),
                            prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3)),

@@ -20,6 +20,7 @@ from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecCo
 from diffspec_jax.models import family
 from diffspec_jax.sampling import SamplingRows
 from diffspec_jax.working_cache import DraftCache
+from pallas_kernels.common import resolve_kernels
 
 
 @struct.dataclass
@@ -76,8 +77,13 @@ class Plan:
     proposer: Callable | None = None
     mesh: Mesh | None = None
     draft_tp: int = 1
-    kernels: str = "reference"  # "pallas" or "reference" (pallas_kernels.dispatch), part of the compile key
     self_draft: bool = False  # the target drafts for itself over its working set (engine.self_draft)
+
+    @property
+    def kernels(self) -> str:
+        """``"pallas"`` or ``"reference"``: the spec's kernel choice (``SpecConfig.kernels``) on this device; every
+        program of the plan is traced under it."""
+        return resolve_kernels(self.spec.kernels)
 
     @property
     def tp(self) -> int:

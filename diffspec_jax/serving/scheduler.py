@@ -34,16 +34,16 @@ import jax
 import numpy as np
 
 from diffspec_jax.config import SamplingConfig, SpecConfig
-from diffspec_jax.engine.compile import _CompileClock, _Program, capacity_bucket, compiled, enable_compilation_cache
+from diffspec_jax.engine.compile import _CompileClock, _Program, capacity_bucket, enable_compilation_cache
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
-from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate, prepare_params
-from diffspec_jax.engine.slots import init_slots, new_acc, slot_programs
+from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
+from diffspec_jax.engine.session import Session, default_session
+from diffspec_jax.engine.slots import init_slots, new_acc
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
 from diffspec_jax.sampling import seed_key
 from diffspec_jax.target import REFERENCE_PREFILL_CHUNK, TargetModel, check_token_ids
 from diffspec_jax.validation import check_bool, check_int, check_real
-from pallas_kernels import dispatch
 
 #: stop ids per request (the target's EOS ids included): a static width, so no stop set recompiles anything
 MAX_STOP_IDS = 16
@@ -208,17 +208,21 @@ class SlotEngine:
 
     Args:
         target, draft: loaded models (``draft=None``: the target alone).
-        spec: :class:`SpecConfig` (K, draft context, verification; default ``SpecConfig()``).
+        spec: :class:`SpecConfig` (K, draft context, verification, kernels; default ``SpecConfig()``).
         config: :class:`EngineConfig`.
         eos_token_ids: the ids that end every request unless it asks ``ignore_eos`` (default: the target
             config's EOS ids).
+        session: the :class:`~diffspec_jax.engine.session.Session` holding the compiled programs (default: the
+            process's :func:`~diffspec_jax.engine.session.default_session`).
     """
 
     def __init__(self, target: TargetModel, draft=None, spec: SpecConfig | None = None,
-                 config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] | None = None):
+                 config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] | None = None,
+                 session: Session | None = None):
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         spec = SpecConfig() if spec is None else spec
+        self.session = session = default_session() if session is None else session
         _validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
         if spec.draft_sampling != "argmax":
             raise ConfigError(f"draft_sampling={spec.draft_sampling!r}: request slots draft by argmax (each slot "
@@ -238,7 +242,7 @@ class SlotEngine:
         self.plan = plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                                 draft=draft.config if speculative else None, spec=spec,
                                 sampling=SamplingConfig(), aux_layers=draft.aux_layers if speculative else (),
-                                capacity=capacity, kernels=dispatch.kernel_backend())
+                                capacity=capacity)
         self.num_slots = b = config.max_num_seqs
         width = config.prefill_chunk or (GPU_PREFILL_CHUNK if jax.default_backend() == "gpu"
                                          else REFERENCE_PREFILL_CHUNK)
@@ -249,11 +253,11 @@ class SlotEngine:
             raise ConfigError(f"{len(self.eos)} EOS ids; at most {MAX_STOP_IDS} stop ids fit a slot")
         check_token_ids(list(self.eos) or [0], tc.vocab_size, "eos_token_ids")
         enable_compilation_cache()
-        self.tparams, self.dparams = prepare_params(target, draft, None)
+        self.tparams, self.dparams = session.prepare_params(target, draft, None)
         ddtype = self.dparams["fc"].dtype if self.dparams else target.dtype
         self.clock = _CompileClock()
-        self._progs = slot_programs(plan)
-        self._block = compiled(plan).programs.block(int(self.block_cycles))
+        self._progs = session.slot_programs(plan)
+        self._block = session.programs(plan).programs.block(int(self.block_cycles))
         self._init = _Program(jax.jit(lambda: init_slots(plan, b, target.dtype, ddtype)))
         self._acc = _Program(jax.jit(lambda: new_acc(plan, target.dtype)))
         self._ctl = _RetrievalControl(spec, b) if plan.diffspec else None
