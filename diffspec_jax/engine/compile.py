@@ -1,7 +1,8 @@
-"""Compilation without surprises: the jitted steps of a plan (:func:`build_programs`, ``jit(shard_map(...))`` with
-a mesh), traced under the plan's kernel choice (:func:`bind`), their
-ahead-of-time compiled versions that time compilation apart (:class:`_Program`), JAX's persistent compilation cache
-(:func:`enable_compilation_cache`) and the cache-capacity buckets (:func:`capacity_bucket`).
+"""Compilation without surprises: the jitted steps of a plan (:func:`build_programs`; ``jit(shard_map(...))`` with
+a mesh, by :func:`diffspec_jax.sharding.jit_sharded`, the one such builder), traced under the plan's kernel choice
+(:func:`bind`), their ahead-of-time compiled versions that time compilation apart (:class:`_Program`), JAX's
+persistent compilation cache (:func:`enable_compilation_cache`) and the cache-capacity buckets
+(:func:`capacity_bucket`).
 
 Nothing here keeps programs between calls: a :class:`~diffspec_jax.engine.session.Session` holds them."""
 
@@ -123,11 +124,8 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
     row, rows2 = P(dp), P(dp, None)
 
     def make(fn, donate, ins, outs):
-        donate = donate if isinstance(donate, tuple) else (donate,)
-        if plan.mesh is None:
-            return jax.jit(bind(fn, plan), donate_argnums=donate)
-        mapped = jax.shard_map(bind(fn, plan), mesh=plan.mesh, in_specs=ins, out_specs=outs, check_vma=False)
-        return jax.jit(mapped, donate_argnums=donate)
+        return sharding.jit_sharded(bind(fn, plan), plan.mesh, ins, outs,
+                                    donate if isinstance(donate, tuple) else (donate,))
 
     mesh = plan.mesh is not None
     st = state_specs(plan) if mesh else None
