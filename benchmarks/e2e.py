@@ -50,8 +50,9 @@ TARGET_LOOP_OVER_STEP, TARGET_FLOOR_RATIO = 1.05, 1.3
 def _spec(method: str, args):
     from diffspec_jax.config import SpecConfig
 
-    return SpecConfig(num_speculative_tokens=args.k, draft_context_policy=method, diffspec_token_budget=args.budget,
-                      diffspec_chunk_size=args.chunk, diffspec_retrieval_interval=args.interval)
+    return SpecConfig.from_flat(dict(num_speculative_tokens=args.k, draft_context_policy=method,
+                                     diffspec_token_budget=args.budget, diffspec_chunk_size=args.chunk,
+                                     diffspec_retrieval_interval=args.interval))
 
 
 def run_method(target, draft, prompts, method: str, args) -> dict:

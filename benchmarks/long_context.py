@@ -198,15 +198,15 @@ def device_loop(step, carry, consts, *, iters: int, repeats: int, donate: bool):
 def _plans(tc, dcfg, ctx, args):
     from diffspec_jax import engine
     from diffspec_jax.config import SamplingConfig, SpecConfig
-    from pallas_kernels import dispatch
 
     cap = ctx + 64 * (args.k + 1) + 64
     plans = {}
     for policy in ("full", "diffspec"):
-        spec = SpecConfig(num_speculative_tokens=args.k, draft_context_policy=policy, diffspec_chunk_size=args.chunk,
-                          diffspec_token_budget=args.budget, diffspec_retrieval_interval=args.interval)
+        spec = SpecConfig.from_flat(dict(num_speculative_tokens=args.k, draft_context_policy=policy,
+                                         diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
+                                         diffspec_retrieval_interval=args.interval))
         plans[policy] = engine.Plan(target=tc, draft=dcfg, spec=spec, sampling=SamplingConfig(),
-                                    aux_layers=dcfg.aux_layer_ids, capacity=cap, kernels=dispatch.kernel_backend())
+                                    aux_layers=dcfg.aux_layer_ids, capacity=cap)
     return plans
 
 
@@ -370,7 +370,6 @@ def self_draft_case(target, ctx, batch, dec_s, args) -> dict:
     from diffspec_jax.config import SamplingConfig, SpecConfig
     from diffspec_jax.engine.self_draft import self_draft_spec, self_propose
     from diffspec_jax.models import llama
-    from pallas_kernels import dispatch
 
     tc, k, t = target.config, args.k, args
     active = jnp.ones((batch,), bool)
@@ -378,11 +377,11 @@ def self_draft_case(target, ctx, batch, dec_s, args) -> dict:
     acceptance = self_acceptance(args.self_acceptance)
     out = {}
     for budget in [int(x) for x in args.self_budgets.split(",")]:
-        spec = self_draft_spec(SpecConfig(num_speculative_tokens=k, draft_context_policy="diffspec",
-                                          diffspec_chunk_size=args.chunk, diffspec_token_budget=budget,
-                                          diffspec_retrieval_interval=args.interval), tc)
+        spec = self_draft_spec(SpecConfig.from_flat(dict(num_speculative_tokens=k, draft_context_policy="diffspec",
+                                                         diffspec_chunk_size=args.chunk, diffspec_token_budget=budget,
+                                                         diffspec_retrieval_interval=args.interval)), tc)
         plan = engine.Plan(target=tc, draft=None, spec=spec, sampling=SamplingConfig(), aux_layers=(),
-                           capacity=ctx + 64 * (k + 1) + 64, kernels=dispatch.kernel_backend(), self_draft=True)
+                           capacity=ctx + 64 * (k + 1) + 64, self_draft=True)
         fns, stats = engine.compiled(plan), {}
         holder = {"s": _filled_state(plan, batch, ctx)}
         for _ in range(2):  # a verification fills the scoring query and LSE; then a selection, and its rebuild

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             kw = dict(max_new_tokens=args.new_tokens, stop_token_ids=())
             base = dj.generate(target, None, prompts, **kw).tokens
             for policy in ("full", "diffspec"):
-                spec = dj.SpecConfig(draft_context_policy=policy)
+                spec = dj.SpecConfig.from_flat(dict(draft_context_policy=policy))
                 out = dj.generate(target, draft, prompts, spec=spec, **kw).tokens
                 for i, (a, b) in enumerate(zip(base, out)):
                     j = first_divergence(a, b)

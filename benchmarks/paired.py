@@ -79,12 +79,13 @@ def run_method(method, target, draft, prompts, args):
     import diffspec_jax as dj
 
     tree = method.endswith("-tree")
-    spec = dj.SpecConfig(num_speculative_tokens=args.k,
-                         draft_context_policy=POLICY.get(method.removesuffix("-tree"), "full"),
-                         diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
-                         diffspec_retrieval_interval=args.interval, diffspec_scoring_layer=args.scoring_layer,
-                         diffspec_verification_mode="tree" if tree else "auto",
-                         diffspec_max_tree_nodes=args.tree_nodes, diffspec_tree_topk=args.tree_topk)
+    spec = dj.SpecConfig.from_flat(dict(num_speculative_tokens=args.k,
+                                        draft_context_policy=POLICY.get(method.removesuffix("-tree"), "full"),
+                                        diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
+                                        diffspec_retrieval_interval=args.interval,
+                                        diffspec_scoring_layer=args.scoring_layer,
+                                        diffspec_verification_mode="tree" if tree else "auto",
+                                        diffspec_max_tree_nodes=args.tree_nodes, diffspec_tree_topk=args.tree_topk))
     t0 = time.perf_counter()
     drafter = None if method == "target" else "self" if method in SELF_METHODS else draft
     res = dj.generate(target, drafter, prompts, max_new_tokens=args.new_tokens,

@@ -228,8 +228,9 @@ def _models(args):
 def _spec(policy: str, args):
     from diffspec_jax.config import SpecConfig
 
-    return SpecConfig(num_speculative_tokens=args.k, draft_context_policy="full" if policy == "target-only"
-                      else policy, diffspec_token_budget=args.budget, diffspec_chunk_size=args.chunk)
+    return SpecConfig.from_flat(dict(num_speculative_tokens=args.k,
+                                     draft_context_policy="full" if policy == "target-only" else policy,
+                                     diffspec_token_budget=args.budget, diffspec_chunk_size=args.chunk))
 
 
 def offline(target, draft, prompts, args) -> dict:

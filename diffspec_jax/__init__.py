@@ -6,7 +6,8 @@ Public API (stable):
 * :func:`load_draft` -- an EAGLE-3 draft (SpecForge / vLLM layout) bound to its target;
 * :func:`forward` -- full-sequence float32 logits of a loaded target;
 * :func:`generate` -- speculative (or target-only, ``draft=None``) generation, returning ``.tokens`` and ``.stats``;
-* :class:`SpecConfig`, :class:`SamplingConfig` -- frozen, validated settings;
+* :class:`SpecConfig` (its parts :class:`Full` / :class:`Recent` / :class:`DiffSpec` and :class:`Chain` /
+  :class:`Tree`), :class:`SamplingConfig` -- frozen, validated settings;
 * :func:`make_mesh` -- a ``("dp", "tp")`` device mesh for tensor / data parallelism (``generate(..., mesh=)``).
 
 Importing the package does not import JAX: the configuration classes and errors (NumPy only) load eagerly, and
@@ -19,7 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from diffspec_jax.config import DraftConfig, ModelConfig, RopeConfig, SamplingConfig, SpecConfig
+from diffspec_jax.config import (Chain, DiffSpec, DraftConfig, Full, ModelConfig, Recent, RopeConfig, SamplingConfig,
+                                 SpecConfig, Tree)
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError, UnsupportedModelError
 
 if TYPE_CHECKING:  # static analysers see the eager imports
@@ -40,8 +42,9 @@ _LAZY = {
 }
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DiffspecError", "DraftConfig", "DraftModel", "GenerateResult",
-    "GenerateStats", "InputError", "ModelConfig", "RopeConfig", "SamplingConfig", "SpecConfig", "TargetModel",
+    "Chain", "CheckpointError", "ConfigError", "DiffSpec", "DiffspecError", "DraftConfig", "DraftModel", "Full",
+    "GenerateResult", "GenerateStats", "InputError", "ModelConfig", "Recent", "RopeConfig", "SamplingConfig",
+    "SpecConfig", "TargetModel", "Tree",
     "UnsupportedModelError", "forward", "generate", "load_draft", "load_target", "make_mesh",
 ]
 

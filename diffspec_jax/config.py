@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ClassVar, Mapping
 
 import numpy as np
 
@@ -168,9 +169,7 @@ def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta
 def _check_positive_ints(obj: Any, names: tuple[str, ...], prefix: str = "") -> None:
     """Refuse any of ``names`` that is not a positive integer (bools excluded)."""
     for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{prefix}{name} must be a positive integer, got {value!r}")
+        _positive_int(getattr(obj, name), prefix + name)
 
 
 def _require(d: dict[str, Any], key: str, where: str) -> Any:
@@ -781,180 +780,202 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+# ------------------------------------------------------------------------------------ speculative decoding
+# SpecConfig is built from parts, one per feature: what the draft attends to (``context``: Full, Recent or
+# DiffSpec) and how drafts are verified (``verification``: Chain or Tree). Each part checks its own fields where it
+# is built; SpecConfig checks the rules that join parts (they all involve K). The seed plugin's flat
+# ``speculative_config`` names (``draft_context_policy``, ``diffspec_*``) are read by SpecConfig.from_flat, and
+# error messages name every field by that flat key (FLAT_KEYS), which is also what the CLIs' flags map to.
+
 DRAFT_CONTEXT_POLICIES = ("full", "recent", "diffspec")
 DIFFSPEC_SCORERS = ("attention", "salience")
 DRAFT_SAMPLING = ("argmax", "sample")
 VERIFICATION_MODES = ("auto", "linear", "tree")
+#: kernel implementations of the hot paths (:mod:`pallas_kernels.dispatch`): ``"auto"`` = Pallas on GPUs and the
+#: pure-JAX references elsewhere; ``"pallas"`` on a CPU interprets the kernels (slow, for tests)
+KERNEL_CHOICES = ("auto", "reference", "pallas")
+#: the environment variable that gives :attr:`SpecConfig.kernels` its default, read when a SpecConfig is built
+KERNELS_ENV = "DIFFSPEC_KERNELS"
+
+
+def default_kernels(environ: Mapping[str, str] | None = None) -> str:
+    """The default of :attr:`SpecConfig.kernels`: ``$DIFFSPEC_KERNELS`` (``reference`` / ``pallas`` / ``auto``) when
+    set, else ``"auto"``. Read once per SpecConfig, when it is built (never while a program is traced)."""
+    env = os.environ if environ is None else environ
+    choice = (env.get(KERNELS_ENV) or "").strip().lower()
+    if not choice:
+        return "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ConfigError(f"{KERNELS_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
+    return choice
+
+
+def _positive_int(value: Any, name: str) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
+    def check(value: Any, name: str) -> None:
+        if not isinstance(value, str) or value not in choices:
+            shown = repr(value) if isinstance(value, str) else _show(value)
+            raise ConfigError(f"{name} must be one of {choices}, got {shown}")
+    return check
+
+
+def _mass_gain(value: Any, name: str) -> None:
+    if not (_is_real(value) and 0 <= value <= 1):
+        raise ConfigError(f"{name} must be in [0, 1] (a probability mass gain), got {_show(value)}")
+
+
+def _weight(value: Any, name: str) -> None:
+    if not (_is_real(value) and math.isfinite(value) and value >= 0):
+        raise ConfigError(f"{name} must be a finite number >= 0, got {_show(value)}")
+
+
+def _layer_or_none(value: Any, name: str) -> None:
+    if value is not None and (not _is_int(value) or value < 0):
+        raise ConfigError(f"{name} must be a layer index >= 0 or None, got {_show(value)}")
+
+
+def _branching(value: Any, name: str) -> None:
+    try:
+        check_branching(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _positive_or_none(value: Any, name: str) -> None:
+    if value is not None:
+        _positive_int(value, name)
+
+
+#: every flat (plugin) key -> the check of its value; the one list of what a valid field is
+FIELD_CHECKS: dict[str, Callable[[Any, str], None]] = {
+    "num_speculative_tokens": _positive_int,
+    "draft_context_policy": _choice(DRAFT_CONTEXT_POLICIES),
+    "draft_sampling": _choice(DRAFT_SAMPLING),
+    "diffspec_chunk_size": _positive_int,
+    "diffspec_token_budget": _positive_int,
+    "diffspec_retrieval_interval": _positive_int,
+    "diffspec_keep_sink_chunk": check_bool,
+    "diffspec_retrieve_after_prefill": check_bool,
+    "diffspec_adaptive_profile": check_bool,
+    "diffspec_long_context_threshold": _positive_int,
+    "diffspec_long_context_depth": _positive_int,
+    "diffspec_verification_mode": _choice(VERIFICATION_MODES),
+    "diffspec_max_tree_nodes": _positive_int,
+    "diffspec_tree_topk": _positive_int,
+    "diffspec_tree_threshold": _mass_gain,
+    "diffspec_tree_branching": _branching,
+    "diffspec_scorer": _choice(DIFFSPEC_SCORERS),
+    "diffspec_redundancy_weight": _weight,
+    "diffspec_scoring_layer": _layer_or_none,
+    "draft_tensor_parallel_size": _positive_or_none,
+    "kernels": _choice(KERNEL_CHOICES),
+}
+#: the flat keys :meth:`SpecConfig.from_flat` accepts
+FLAT_KEYS = tuple(FIELD_CHECKS)
 
 
 @dataclass(frozen=True)
-class SpecConfig:
-    """Speculative decoding settings (key names follow the earlier vLLM plugin's ``speculative_config``).
+class _Part:
+    """A frozen part of :class:`SpecConfig`; ``FLAT`` maps each field to its flat key (its check and its name in
+    messages)."""
 
-    Attributes (defaults in brackets):
-        num_speculative_tokens: K, the chain depth drafted per cycle [4].
-        draft_context_policy: what the draft attends to [``"full"``]: ``"full"`` = its whole store (plain
-            EAGLE-3); ``"recent"`` = the last ``budget - K - 1`` positions (sliding-window drafter);
-            ``"diffspec"`` = target-guided chunks + a rolling recent window in a fixed-capacity working cache.
-        draft_sampling: how the draft proposes when sampling [``"argmax"``]: ``"argmax"`` (one-hot q, as EAGLE-3
-            and vLLM) or ``"sample"`` (drawn from the draft's processed distribution; verification uses that q).
-            Greedy decoding always drafts by argmax.
-        diffspec_chunk_size: C, tokens per retrieval chunk [64]; > 0 and divides the budget.
-        diffspec_token_budget: B, working-cache capacity per sequence [2048]; the history budget
-            ``Hb = floor((B - K - 1) / C) * C`` must hold at least one chunk (two with the sink chunk).
-        diffspec_retrieval_interval: N, verification cycles between retrievals [4].
-        diffspec_keep_sink_chunk: always keep chunk 0 [False].
-        diffspec_retrieve_after_prefill: retrieve once right after prefill [True].
-        diffspec_adaptive_profile: adapt per sequence [False]: the retrieval interval (double up to 32 on stable
-            selections), the chain depth (chain mode: ``diffspec_long_context_*``, +1 after 4 well-accepted cycles,
-            -1 after 3 poor ones) and the tree node budget (tree mode: grows from ``round4(max_nodes / 1.5)`` to
-            ``diffspec_max_tree_nodes`` with observed pressure, never shrinks).
-        diffspec_long_context_threshold: committed length from which the adaptive chain depth starts at (and never
-            goes below) ``diffspec_long_context_depth`` [49152].
-        diffspec_long_context_depth: that depth; 1 <= it <= K when the adaptive chain depth is on [2].
-        diffspec_verification_mode: ``"auto"`` / ``"linear"`` = chain drafting; ``"tree"`` = tree drafting with
-            tree verification [``"auto"``]. Trees work with every draft context policy and with sampling; the
-            target family must support them (not Qwen3.5's hybrid layers).
-        diffspec_max_tree_nodes: tree nodes verified per cycle besides the root (the static verify block is
-            ``max_tree_nodes + 1`` tokens; tree depth = K) [50]; K <= it <= 255, and at most the
-            ``topk + (K - 1) * topk^2`` candidates a tree can draft (:attr:`tree_pool_size`; refused, not clamped:
-            with K = 1 and the default top-k of 8, at most 8).
-        diffspec_tree_topk: frontier width and children per node (EAGLE's ``top_k``) [8]; <= max_tree_nodes.
-        diffspec_tree_threshold: stop expanding deeper levels once a level adds less than this draft probability
-            mass to the best-``budget`` node set [0.0 = always expand to depth K].
-        diffspec_tree_branching: children per node at each depth: ``"hazard"`` (learned from where verification
-            stops), or the static ``"full"``, ``"chain"``, ``"shallow"``, ``"deep"``, ``"uniform<N>"``
-            [``"hazard"``]; see :mod:`diffspec_jax.adaptive`.
-        diffspec_scorer: ``"attention"`` (exact target attention probabilities) or ``"salience"`` (chunk key
-            summaries scored against the draft's query, no target query needed) [``"attention"``].
-        diffspec_redundancy_weight: discount a chunk by its similarity to chunks already selected [0.0].
-        diffspec_scoring_layer: target layer whose attention scores chunks [None = last full-attention layer].
-        draft_tensor_parallel_size: with a mesh, 1 = replicated draft, or the target's tp [None = the target's].
-    """
-
-    num_speculative_tokens: int = 4
-    draft_context_policy: str = "full"
-    draft_sampling: str = "argmax"
-    diffspec_chunk_size: int = 64
-    diffspec_token_budget: int = 2048
-    diffspec_retrieval_interval: int = 4
-    diffspec_keep_sink_chunk: bool = False
-    diffspec_retrieve_after_prefill: bool = True
-    diffspec_adaptive_profile: bool = False
-    diffspec_long_context_threshold: int = 49152
-    diffspec_long_context_depth: int = 2
-    diffspec_verification_mode: str = "auto"
-    diffspec_max_tree_nodes: int = 50
-    diffspec_tree_topk: int = 8
-    diffspec_tree_threshold: float = 0.0
-    diffspec_tree_branching: str = "hazard"
-    diffspec_scorer: str = "attention"
-    diffspec_redundancy_weight: float = 0.0
-    diffspec_scoring_layer: int | None = None
-    draft_tensor_parallel_size: int | None = None
+    FLAT: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
-        if self.draft_tensor_parallel_size is not None:
-            _check_positive_ints(self, ("draft_tensor_parallel_size",))
-        _check_positive_ints(self, ("num_speculative_tokens", "diffspec_chunk_size", "diffspec_token_budget",
-                                    "diffspec_retrieval_interval", "diffspec_long_context_threshold",
-                                    "diffspec_long_context_depth", "diffspec_max_tree_nodes", "diffspec_tree_topk"))
-        for name in ("diffspec_keep_sink_chunk", "diffspec_retrieve_after_prefill", "diffspec_adaptive_profile"):
-            check_bool(getattr(self, name), name)
-        for name, choices in (("diffspec_verification_mode", VERIFICATION_MODES),
-                              ("draft_context_policy", DRAFT_CONTEXT_POLICIES), ("draft_sampling", DRAFT_SAMPLING),
-                              ("diffspec_scorer", DIFFSPEC_SCORERS)):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{name} must be one of {choices}, got {_show(getattr(self, name))}")
-        k = self.num_speculative_tokens
-        if self.diffspec_adaptive_profile and self.diffspec_verification_mode != "tree" and \
-                self.diffspec_long_context_depth > k:
-            raise ConfigError(f"diffspec_long_context_depth ({self.diffspec_long_context_depth}) must be <= "
-                              f"num_speculative_tokens ({k})")
-        if self.diffspec_verification_mode not in VERIFICATION_MODES:
-            raise ConfigError(f"diffspec_verification_mode must be one of {VERIFICATION_MODES}, got "
-                              f"{self.diffspec_verification_mode!r}")
-        if not (_is_real(self.diffspec_tree_threshold) and 0 <= self.diffspec_tree_threshold <= 1):
-            raise ConfigError(f"diffspec_tree_threshold must be in [0, 1] (a probability mass gain), got "
-                              f"{_show(self.diffspec_tree_threshold)}")
-        try:
-            check_branching(self.diffspec_tree_branching)
-        except ConfigError as exc:
-            raise ConfigError(f"diffspec_tree_branching: {exc}") from None
-        if self.tree:
-            n = self.diffspec_max_tree_nodes
-            if not k <= n <= 255:
-                raise ConfigError(f"diffspec_max_tree_nodes must be in [num_speculative_tokens ({k}), 255] in tree "
-                                  f"mode, got {n}")
-            if self.diffspec_tree_topk > n:
-                raise ConfigError(f"diffspec_tree_topk ({self.diffspec_tree_topk}) must be <= "
-                                  f"diffspec_max_tree_nodes ({n})")
-            if n > self.tree_pool_size:
-                w = self.diffspec_tree_topk
-                raise ConfigError(
-                    f"diffspec_max_tree_nodes ({n}) exceeds the {self.tree_pool_size} candidates a tree of depth "
-                    f"num_speculative_tokens={k} and diffspec_tree_topk={w} can draft (topk + (K - 1) * topk^2); "
-                    f"lower diffspec_max_tree_nodes to <= {self.tree_pool_size}, or raise num_speculative_tokens or "
-                    f"diffspec_tree_topk")
-            if self.draft_sampling != "argmax":
-                raise ConfigError("tree drafting expands each node's top-k children deterministically; "
-                                  "draft_sampling='sample' applies to chain mode only")
-        if self.draft_context_policy not in DRAFT_CONTEXT_POLICIES:
-            raise ConfigError(f"draft_context_policy must be one of {DRAFT_CONTEXT_POLICIES}, got "
-                              f"{self.draft_context_policy!r}")
-        if self.draft_sampling not in DRAFT_SAMPLING:
-            raise ConfigError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {self.draft_sampling!r}")
-        if self.diffspec_scorer not in DIFFSPEC_SCORERS:
-            raise ConfigError(f"diffspec_scorer must be one of {DIFFSPEC_SCORERS}, got {self.diffspec_scorer!r}")
-        if not (_is_real(self.diffspec_redundancy_weight) and math.isfinite(self.diffspec_redundancy_weight)
-                and self.diffspec_redundancy_weight >= 0):
-            raise ConfigError(f"diffspec_redundancy_weight must be a finite number >= 0, got "
-                              f"{_show(self.diffspec_redundancy_weight)}")
-        if self.diffspec_scoring_layer is not None and (
-                not _is_int(self.diffspec_scoring_layer) or self.diffspec_scoring_layer < 0):
-            raise ConfigError(f"diffspec_scoring_layer must be a layer index >= 0 or None, got "
-                              f"{_show(self.diffspec_scoring_layer)}")
-        if self.uses_working_cache:
-            c, b = self.diffspec_chunk_size, self.diffspec_token_budget
-            if b % c:
-                raise ConfigError(f"diffspec_token_budget ({b}) must be a multiple of diffspec_chunk_size ({c})")
-            need = 2 * c if self.diffspec_keep_sink_chunk else c
-            if self.history_budget < need:
-                raise ConfigError(
-                    f"diffspec_token_budget {b} is too small for num_speculative_tokens {k} and chunk size {c}: the "
-                    f"history budget floor((B - K - 1) / C) * C = {self.history_budget} must be >= {need}")
+        for name, key in self.FLAT.items():
+            FIELD_CHECKS[key](getattr(self, name), key)
+
+    @classmethod
+    def from_flat(cls, d: Mapping[str, Any]) -> _Part:
+        """This part from the flat keys of ``d`` (absent keys take the part's defaults)."""
+        return cls(**{name: d[key] for name, key in cls.FLAT.items() if key in d})
+
+
+# --- what the draft attends to (draft_context_policy)
+@dataclass(frozen=True)
+class Full(_Part):
+    """The draft attends to its whole store (plain EAGLE-3); ``draft_context_policy="full"``."""
+
+    policy: ClassVar[str] = "full"
+
+
+@dataclass(frozen=True)
+class _WorkingCache(_Part):
+    """A fixed-capacity working cache of ``token_budget`` positions (B) filled in chunks of ``chunk_size`` (C).
+
+    Attributes:
+        token_budget: B, working-cache capacity per sequence [2048] (``diffspec_token_budget``); a multiple of C,
+            and the history budget ``Hb = floor((B - K - 1) / C) * C`` must hold at least one chunk (two with
+            DiffSpec's sink chunk).
+        chunk_size: C, tokens per chunk [64] (``diffspec_chunk_size``).
+    """
+
+    token_budget: int = 2048
+    chunk_size: int = 64
+    FLAT: ClassVar[dict[str, str]] = {"token_budget": "diffspec_token_budget", "chunk_size": "diffspec_chunk_size"}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.token_budget % self.chunk_size:
+            raise ConfigError(f"diffspec_token_budget ({self.token_budget}) must be a multiple of diffspec_chunk_size "
+                              f"({self.chunk_size})")
+
+    def history_budget(self, k: int) -> int:
+        """Hb = floor((B - K - 1) / C) * C: history tokens that fit beside the root and K chain entries."""
+        c = self.chunk_size
+        return max(0, (self.token_budget - k - 1) // c * c)
+
+
+@dataclass(frozen=True)
+class Recent(_WorkingCache):
+    """A sliding window: the draft attends to the last ``B - K - 1`` positions (``draft_context_policy="recent"``;
+    fields of :class:`_WorkingCache`)."""
+
+    policy: ClassVar[str] = "recent"
+
+
+@dataclass(frozen=True)
+class DiffSpec(_WorkingCache):
+    """Target-guided chunks + a rolling recent window in the working cache (``draft_context_policy="diffspec"``).
+
+    Attributes (besides ``token_budget`` and ``chunk_size``; flat keys ``diffspec_<name>`` unless noted):
+        retrieval_interval: N, verification cycles between retrievals [4].
+        keep_sink_chunk: always keep chunk 0 [False].
+        retrieve_after_prefill: retrieve once right after prefill [True].
+        adaptive: adapt the retrieval interval per sequence (double up to 32 on stable selections) [False]
+            (``diffspec_adaptive_profile``).
+        scorer: ``"attention"`` (exact target attention probabilities) or ``"salience"`` (chunk key summaries
+            scored against the draft's query, no target query needed) [``"attention"``].
+        redundancy_weight: discount a chunk by its similarity to chunks already selected [0.0].
+        scoring_layer: target layer whose attention scores chunks [None = last full-attention layer].
+    """
+
+    retrieval_interval: int = 4
+    keep_sink_chunk: bool = False
+    retrieve_after_prefill: bool = True
+    adaptive: bool = False
+    scorer: str = "attention"
+    redundancy_weight: float = 0.0
+    scoring_layer: int | None = None
+    policy: ClassVar[str] = "diffspec"
+    FLAT: ClassVar[dict[str, str]] = {
+        **_WorkingCache.FLAT, "retrieval_interval": "diffspec_retrieval_interval",
+        "keep_sink_chunk": "diffspec_keep_sink_chunk", "retrieve_after_prefill": "diffspec_retrieve_after_prefill",
+        "adaptive": "diffspec_adaptive_profile", "scorer": "diffspec_scorer",
+        "redundancy_weight": "diffspec_redundancy_weight", "scoring_layer": "diffspec_scoring_layer"}
 
     @property
-    def tree(self) -> bool:
-        """Tree drafting and verification (``diffspec_verification_mode == "tree"``)."""
-        return self.diffspec_verification_mode == "tree"
+    def needs_summaries(self) -> bool:
+        """Chunk key summaries are kept (the salience scorer, or a redundancy discount)."""
+        return self.scorer == "salience" or self.redundancy_weight > 0
 
-    @property
-    def tree_pool_size(self) -> int:
-        """Candidates a tree draft can hold: ``topk`` at depth 1, then ``topk`` children of each of the ``topk``
-        frontier nodes per further level (``topk + (K - 1) * topk^2``); ``diffspec_max_tree_nodes`` must not
-        exceed it."""
-        w = self.diffspec_tree_topk
-        return w + (self.num_speculative_tokens - 1) * w * w
-
-    @property
-    def uses_working_cache(self) -> bool:
-        """The draft reads a fixed-capacity working cache (policies ``recent`` and ``diffspec``)."""
-        return self.draft_context_policy != "full"
-
-    @property
-    def history_budget(self) -> int:
-        """Hb = floor((budget - K - 1) / C) * C: history tokens that fit beside the root and K chain entries."""
-        c = self.diffspec_chunk_size
-        return max(0, (self.diffspec_token_budget - self.num_speculative_tokens - 1) // c * c)
-
-    @property
-    def max_chunks(self) -> int:
-        """Nmax = Hb / C chunk slots."""
-        return self.history_budget // self.diffspec_chunk_size
-
-    def scoring_layer(self, target: ModelConfig) -> int:
-        layer = target.last_full_attention_layer if self.diffspec_scoring_layer is None else self.diffspec_scoring_layer
+    def layer_for(self, target: ModelConfig) -> int:
+        """The scoring layer for ``target`` (default: its last full-attention layer), checked against it."""
+        layer = target.last_full_attention_layer if self.scoring_layer is None else self.scoring_layer
         if layer >= target.num_hidden_layers:
             raise ConfigError(f"diffspec_scoring_layer {layer} is out of range for a target with "
                               f"{target.num_hidden_layers} layers")
@@ -963,3 +984,194 @@ class SpecConfig:
                               f"need softmax attention over the whole context: use a full_attention layer "
                               f"{list(target.full_attention_layers)} (default: the last one)")
         return int(layer)
+
+
+CONTEXTS: dict[str, type[_Part]] = {"full": Full, "recent": Recent, "diffspec": DiffSpec}
+
+
+# --- how drafts are verified (diffspec_verification_mode)
+@dataclass(frozen=True)
+class Chain(_Part):
+    """Chain drafting: K tokens per cycle, verified in one block (``diffspec_verification_mode="auto"`` / ``"linear"``).
+
+    Attributes:
+        adaptive: adapt the chain depth per sequence [False] (``diffspec_adaptive_profile``): +1 after 4
+            well-accepted cycles, -1 after 3 poor ones, never below ``long_context_depth`` from
+            ``long_context_threshold`` on.
+        long_context_threshold: committed length from which the adaptive depth starts at (and never goes below)
+            ``long_context_depth`` [49152] (``diffspec_long_context_threshold``).
+        long_context_depth: that depth [2]; ``1 <= it <= K`` when ``adaptive`` (``diffspec_long_context_depth``).
+    """
+
+    adaptive: bool = False
+    long_context_threshold: int = 49152
+    long_context_depth: int = 2
+    mode: ClassVar[str] = "linear"
+    FLAT: ClassVar[dict[str, str]] = {"adaptive": "diffspec_adaptive_profile",
+                                      "long_context_threshold": "diffspec_long_context_threshold",
+                                      "long_context_depth": "diffspec_long_context_depth"}
+
+
+#: most tree nodes a verify block holds besides its root
+MAX_TREE_NODES = 255
+
+
+@dataclass(frozen=True)
+class Tree(_Part):
+    """Tree drafting with tree verification (``diffspec_verification_mode="tree"``). Trees work with every draft
+    context and with sampling (drafts by argmax); the target family must support them (not Qwen3.5's hybrid
+    layers).
+
+    Attributes (flat keys ``diffspec_max_tree_nodes``, ``diffspec_tree_<name>``):
+        max_nodes: tree nodes verified per cycle besides the root (the static verify block is ``max_nodes + 1``
+            tokens; tree depth = K) [50]; ``K <= it <= 255``, and at most the :meth:`pool_size` candidates a tree
+            can draft (refused, not clamped: with K = 1 and the default top-k of 8, at most 8).
+        topk: frontier width and children per node (EAGLE's ``top_k``) [8]; <= max_nodes.
+        threshold: stop expanding deeper levels once a level adds less than this draft probability mass to the
+            best-``budget`` node set [0.0 = always expand to depth K].
+        branching: children per node at each depth: ``"hazard"`` (learned from where verification stops), or the
+            static ``"full"``, ``"chain"``, ``"shallow"``, ``"deep"``, ``"uniform<N>"`` [``"hazard"``]; see
+            :mod:`diffspec_jax.adaptive`.
+        adaptive: grow the node budget per sequence from ``round4(max_nodes / 1.5)`` to ``max_nodes`` with
+            observed pressure, never shrinking [False] (``diffspec_adaptive_profile``).
+    """
+
+    max_nodes: int = 50
+    topk: int = 8
+    threshold: float = 0.0
+    branching: str = "hazard"
+    adaptive: bool = False
+    mode: ClassVar[str] = "tree"
+    FLAT: ClassVar[dict[str, str]] = {"max_nodes": "diffspec_max_tree_nodes", "topk": "diffspec_tree_topk",
+                                      "threshold": "diffspec_tree_threshold", "branching": "diffspec_tree_branching",
+                                      "adaptive": "diffspec_adaptive_profile"}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_nodes > MAX_TREE_NODES:
+            raise ConfigError(f"diffspec_max_tree_nodes must be in [num_speculative_tokens, {MAX_TREE_NODES}] in tree "
+                              f"mode, got {self.max_nodes}")
+        if self.topk > self.max_nodes:
+            raise ConfigError(f"diffspec_tree_topk ({self.topk}) must be <= diffspec_max_tree_nodes "
+                              f"({self.max_nodes})")
+
+    def pool_size(self, k: int) -> int:
+        """Candidates a tree of depth ``k`` can hold: ``topk`` at depth 1, then ``topk`` children of each of the
+        ``topk`` frontier nodes per further level (``topk + (k - 1) * topk^2``)."""
+        return self.topk + (k - 1) * self.topk * self.topk
+
+    @property
+    def host_shaped(self) -> bool:
+        """The branching caps or the node budget change between cycles (host controllers decide them)."""
+        return self.branching == "hazard" or self.adaptive
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings, by feature.
+
+    Attributes (defaults in brackets; the seed plugin's flat keys, read by :meth:`from_flat`, in parentheses):
+        num_speculative_tokens: K, the chain depth drafted per cycle (a tree's depth) [4].
+        context: what the draft attends to [:class:`Full`]: :class:`Full` (its whole store, plain EAGLE-3),
+            :class:`Recent` (the last ``B - K - 1`` positions) or :class:`DiffSpec` (target-guided chunks + a
+            rolling recent window in a fixed-capacity working cache) (``draft_context_policy`` and its fields).
+        verification: :class:`Chain` or :class:`Tree` [``Chain()``] (``diffspec_verification_mode`` and its
+            fields).
+        draft_sampling: how the draft proposes when sampling [``"argmax"``]: ``"argmax"`` (one-hot q, as EAGLE-3
+            and vLLM) or ``"sample"`` (drawn from the draft's processed distribution; verification uses that q;
+            chains only). Greedy decoding always drafts by argmax.
+        draft_tensor_parallel_size: with a mesh, 1 = replicated draft, or the target's tp [None = the target's].
+        kernels: the hot paths' implementation, ``"auto"`` (Pallas on GPUs, the pure-JAX references elsewhere),
+            ``"reference"`` or ``"pallas"`` [``$DIFFSPEC_KERNELS``, else ``"auto"``; :func:`default_kernels`].
+
+    The properties :attr:`tree`, :attr:`uses_working_cache`, :attr:`history_budget` and :attr:`max_chunks` are
+    facts derived from the parts.
+    """
+
+    num_speculative_tokens: int = 4
+    context: Full | Recent | DiffSpec = Full()
+    verification: Chain | Tree = Chain()
+    draft_sampling: str = "argmax"
+    draft_tensor_parallel_size: int | None = None
+    kernels: str = field(default_factory=default_kernels)
+
+    def __post_init__(self) -> None:
+        for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size", "kernels"):
+            FIELD_CHECKS[key](getattr(self, key), key)
+        if not isinstance(self.context, (Full, Recent, DiffSpec)):
+            raise ConfigError(f"context must be Full(), Recent(...) or DiffSpec(...), got {_show(self.context)}")
+        if not isinstance(self.verification, (Chain, Tree)):
+            raise ConfigError(f"verification must be Chain(...) or Tree(...), got {_show(self.verification)}")
+        k, v = self.num_speculative_tokens, self.verification
+        if isinstance(v, Chain) and v.adaptive and v.long_context_depth > k:
+            raise ConfigError(f"diffspec_long_context_depth ({v.long_context_depth}) must be <= "
+                              f"num_speculative_tokens ({k})")
+        if isinstance(v, Tree):
+            n, pool = v.max_nodes, v.pool_size(k)
+            if n < k:
+                raise ConfigError(f"diffspec_max_tree_nodes must be in [num_speculative_tokens ({k}), "
+                                  f"{MAX_TREE_NODES}] in tree mode, got {n}")
+            if n > pool:
+                raise ConfigError(
+                    f"diffspec_max_tree_nodes ({n}) exceeds the {pool} candidates a tree of depth "
+                    f"num_speculative_tokens={k} and diffspec_tree_topk={v.topk} can draft (topk + (K - 1) * topk^2); "
+                    f"lower diffspec_max_tree_nodes to <= {pool}, or raise num_speculative_tokens or "
+                    f"diffspec_tree_topk")
+            if self.draft_sampling != "argmax":
+                raise ConfigError("tree drafting expands each node's top-k children deterministically; "
+                                  "draft_sampling='sample' applies to chain mode only")
+        if self.uses_working_cache:
+            self.check_history_budget(sink=isinstance(self.context, DiffSpec) and self.context.keep_sink_chunk)
+
+    def check_history_budget(self, sink: bool) -> None:
+        """Refuse a working cache whose history budget holds less than one chunk (two with a ``sink`` chunk)."""
+        c, b, k = self.context.chunk_size, self.context.token_budget, self.num_speculative_tokens
+        need = 2 * c if sink else c
+        if self.history_budget < need:
+            raise ConfigError(
+                f"diffspec_token_budget {b} is too small for num_speculative_tokens {k} and chunk size {c}: the "
+                f"history budget floor((B - K - 1) / C) * C = {self.history_budget} must be >= {need}")
+
+    @classmethod
+    def from_flat(cls, d: Mapping[str, Any]) -> SpecConfig:
+        """A SpecConfig from the seed plugin's flat ``speculative_config`` keys (:data:`FLAT_KEYS`:
+        ``num_speculative_tokens``, ``draft_context_policy``, ``draft_sampling``, ``diffspec_*``,
+        ``draft_tensor_parallel_size``, and ``kernels``). Absent keys take the defaults; every given value is
+        checked, also those the chosen policy and verification mode do not use; ``diffspec_adaptive_profile``
+        switches on every adaptive part (retrieval interval, chain depth, tree node budget); the verification
+        modes ``"auto"`` and ``"linear"`` are both :class:`Chain`. An unknown key is a ConfigError."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a flat speculative config must be a dict, got {_show(d)}")
+        unknown = sorted(str(key) for key in d if key not in FIELD_CHECKS)
+        if unknown:
+            raise ConfigError(f"unknown speculative config key(s) {unknown}; known keys: {', '.join(FLAT_KEYS)}")
+        for key, value in d.items():
+            FIELD_CHECKS[key](value, key)
+        context = CONTEXTS[d.get("draft_context_policy", Full.policy)].from_flat(d)
+        verification = (Tree if d.get("diffspec_verification_mode") == Tree.mode else Chain).from_flat(d)
+        top = {key: d[key] for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size",
+                                       "kernels") if key in d}
+        return cls(context=context, verification=verification, **top)
+
+    def replace(self, **changes: Any) -> SpecConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def tree(self) -> bool:
+        """Tree drafting and verification (``verification`` is a :class:`Tree`)."""
+        return isinstance(self.verification, Tree)
+
+    @property
+    def uses_working_cache(self) -> bool:
+        """The draft reads a fixed-capacity working cache (:class:`Recent` and :class:`DiffSpec`)."""
+        return isinstance(self.context, _WorkingCache)
+
+    @property
+    def history_budget(self) -> int:
+        """Hb = floor((B - K - 1) / C) * C of the working cache (0 with :class:`Full`)."""
+        return self.context.history_budget(self.num_speculative_tokens) if self.uses_working_cache else 0
+
+    @property
+    def max_chunks(self) -> int:
+        """Nmax = Hb / C chunk slots of the working cache (0 with :class:`Full`)."""
+        return self.history_budget // self.context.chunk_size if self.uses_working_cache else 0

@@ -39,7 +39,7 @@ from diffspec_jax import target as tgt
 from diffspec_jax.draft import load_draft
 from diffspec_jax.mesh import make_mesh
 from diffspec_jax.target import check_token_ids, load_target
-from diffspec_jax.config import SamplingConfig, SpecConfig
+from diffspec_jax.config import KERNEL_CHOICES, KERNELS_ENV, DiffSpec, SamplingConfig, SpecConfig, Tree
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
 from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_int, check_stop_strings, read_text,
                                      report_error)
@@ -155,32 +155,39 @@ def add_spec_arguments(ap) -> None:
                          "--token-budget, and beyond it keeps a draft trained on short windows accepting where full "
                          "collapses (0.80-0.89x at 16K on the demo pair, whose target reads no far context, so "
                          "recent was faster there; docs/benchmarks.md)")
-    ap.add_argument("--chunk-size", type=int, default=SpecConfig.diffspec_chunk_size)
-    ap.add_argument("--token-budget", type=int, default=SpecConfig.diffspec_token_budget)
-    ap.add_argument("--retrieval-interval", type=int, default=SpecConfig.diffspec_retrieval_interval)
-    ap.add_argument("--verification-mode", default=SpecConfig.diffspec_verification_mode,
+    ap.add_argument("--chunk-size", type=int, default=DiffSpec.chunk_size)
+    ap.add_argument("--token-budget", type=int, default=DiffSpec.token_budget)
+    ap.add_argument("--retrieval-interval", type=int, default=DiffSpec.retrieval_interval)
+    ap.add_argument("--verification-mode", default="auto",
                     help="auto | linear (chain drafting) | tree (tree drafting and verification)")
-    ap.add_argument("--max-tree-nodes", type=int, default=SpecConfig.diffspec_max_tree_nodes,
+    ap.add_argument("--max-tree-nodes", type=int, default=Tree.max_nodes,
                     help="tree mode: nodes verified per cycle besides the root")
-    ap.add_argument("--tree-topk", type=int, default=SpecConfig.diffspec_tree_topk,
+    ap.add_argument("--tree-topk", type=int, default=Tree.topk,
                     help="tree mode: frontier width and children per node")
-    ap.add_argument("--tree-branching", default=SpecConfig.diffspec_tree_branching,
+    ap.add_argument("--tree-branching", default=Tree.branching,
                     help="tree mode: hazard | full | chain | shallow | deep | uniform<N>")
-    ap.add_argument("--tree-threshold", type=float, default=SpecConfig.diffspec_tree_threshold,
+    ap.add_argument("--tree-threshold", type=float, default=Tree.threshold,
                     help="tree mode: stop expanding once a level adds less draft probability mass than this")
     ap.add_argument("--adaptive", action="store_true",
                     help="adapt per sequence: retrieval interval, chain depth (chain mode), node budget (tree mode)")
+    ap.add_argument("--kernels", default=None, choices=KERNEL_CHOICES,
+                    help=f"hot-path kernels: auto (Pallas on GPUs, the pure-JAX references elsewhere) | reference | "
+                         f"pallas (default: ${KERNELS_ENV}, else auto)")
 
 
 def spec_from_args(args, draft_tp: int | None = None) -> SpecConfig:
-    """The :class:`SpecConfig` of :func:`add_spec_arguments`' options (``--policy`` defaults to ``diffspec``)."""
-    return SpecConfig(num_speculative_tokens=args.num_speculative_tokens,
-                      draft_context_policy=args.policy or "diffspec", diffspec_chunk_size=args.chunk_size,
-                      diffspec_token_budget=args.token_budget, diffspec_retrieval_interval=args.retrieval_interval,
-                      diffspec_verification_mode=args.verification_mode,
-                      diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,
-                      diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
-                      diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=draft_tp)
+    """The :class:`SpecConfig` of :func:`add_spec_arguments`' options, built from their flat names
+    (:meth:`SpecConfig.from_flat`; ``--policy`` defaults to ``diffspec``, ``--kernels`` to ``$DIFFSPEC_KERNELS``)."""
+    flat = dict(
+        num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=args.policy or "diffspec",
+        diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
+        diffspec_retrieval_interval=args.retrieval_interval, diffspec_verification_mode=args.verification_mode,
+        diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,
+        diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
+        diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=draft_tp)
+    if args.kernels is not None:
+        flat["kernels"] = args.kernels
+    return SpecConfig.from_flat(flat)
 
 
 def build_parser() -> ArgumentParser:
@@ -234,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         if embedded:
             args.compare = args.compare or not args.no_draft  # the demo reports its speedup, measured here
         spec = spec_from_args(args, args.draft_tp)
-        policy = spec.draft_context_policy
+        policy = spec.context.policy
         target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype))
         sampling, gen_defaults = _sampling(args, target_dir)
         draft = engine.SELF if self_draft else load_draft(draft_dir, target) if draft_dir is not None else None

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from diffspec_jax.config import SpecConfig
 from pallas_kernels import chunk_scores as chunk_scores_kernel
 from pallas_kernels.common import kernel_backend
 
@@ -50,10 +49,6 @@ class RetrievalState:
 
 def num_chunks(capacity: int, chunk: int) -> int:
     return -(-capacity // chunk)
-
-
-def needs_summaries(spec: SpecConfig) -> bool:
-    return spec.diffspec_scorer == "salience" or spec.diffspec_redundancy_weight > 0
 
 
 # ----------------------------------------------------------------------------------------------- scoring

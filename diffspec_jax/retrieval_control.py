@@ -81,7 +81,7 @@ class RetrievalControl:
         self.c = [self._fresh() for _ in range(n)]
 
     def _fresh(self) -> RetrievalCounters:
-        return RetrievalCounters(interval=self.spec.diffspec_retrieval_interval)
+        return RetrievalCounters(interval=self.spec.context.retrieval_interval)
 
     def reset(self, i: int) -> None:
         """Clear sequence ``i`` (a freed slot)."""
@@ -124,7 +124,7 @@ class RetrievalControl:
         rank_anchors = np.atleast_2d(np.asarray(rank_anchors))
         anchors = rank_anchors[0]
         c.ranks_agree = c.ranks_agree and bool(np.all(rank_anchors == anchors[None]))
-        selected = tuple(sorted({int(a) for a in anchors if a >= 0} | {root // spec.diffspec_chunk_size}))
+        selected = tuple(sorted({int(a) for a in anchors if a >= 0} | {root // spec.context.chunk_size}))
         c.retrievals += 1
         c.retrievals_after_prefill += int(after_prefill)
         c._since = 0
@@ -136,7 +136,7 @@ class RetrievalControl:
         if c._selected is not None:
             union = set(c._selected) | set(selected)
             c.last_jaccard = len(set(c._selected) & set(selected)) / max(1, len(union))
-        if spec.diffspec_adaptive_profile and not after_prefill:
+        if spec.context.adaptive and not after_prefill:
             period = c._accept_sum / c._accept_n if c._accept_n else None
             stable = c.last_jaccard is not None and c.last_jaccard >= ADAPTIVE_JACCARD
             # period >= 0.9 x the previous period, compared exactly (sums over counts as fractions): a float test
@@ -145,7 +145,7 @@ class RetrievalControl:
             holds = period is not None and c._prev_period is not None and \
                 Fraction(c._accept_sum) * c._prev_n * den >= Fraction(c._prev_sum) * c._accept_n * num
             c.interval = min(2 * c.interval, ADAPTIVE_MAX_INTERVAL) if stable and holds else \
-                spec.diffspec_retrieval_interval
+                spec.context.retrieval_interval
             c._prev_period, c._prev_sum, c._prev_n = period, c._accept_sum, c._accept_n
         c._accept_sum, c._accept_n = 0.0, 0
         c._selected = selected

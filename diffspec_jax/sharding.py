@@ -46,7 +46,6 @@ Qwen3.5 hybrid MoE (its table, :func:`diffspec_jax.models.qwen35.param_table`):
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import jax
@@ -135,14 +134,8 @@ def named(specs: Any, mesh: Mesh) -> Any:
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
 
 
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def prepare(model, mesh: Mesh, tp: int) -> dict:
     """The params of a ``TargetModel`` or ``DraftModel`` in tensor-parallel layout over ``tp`` shards, placed on
-    ``mesh``. Done once per (model, mesh, tp) and memoised: later calls return the same arrays."""
-    per_model = _PREPARED.setdefault(model, {})
-    if (mesh, tp) not in per_model:
-        layout = shard_layout_target if isinstance(model.config, ModelConfig) else shard_layout_draft
-        per_model[(mesh, tp)] = put(*layout(model.config, model.params, tp), mesh)
-    return per_model[(mesh, tp)]
+    ``mesh`` (new arrays on every call: :class:`diffspec_jax.engine.Session` keeps them per model and mesh)."""
+    layout = shard_layout_target if isinstance(model.config, ModelConfig) else shard_layout_draft
+    return put(*layout(model.config, model.params, tp), mesh)

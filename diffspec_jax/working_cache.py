@@ -57,15 +57,15 @@ class DraftCache:
         if not spec.uses_working_cache:
             z = jnp.zeros((batch, capacity, hkv, d), dtype)
             return cls(work_k=z, work_v=z.copy())
-        w = jnp.zeros((batch, spec.diffspec_token_budget, hkv, d), dtype)
+        w = jnp.zeros((batch, spec.context.token_budget, hkv, d), dtype)
         s = jnp.zeros((batch, capacity, hkv, d), dtype)
         return cls(work_k=w, work_v=w.copy(), store_k=s, store_v=s.copy())
 
 
 def history_slots(spec: SpecConfig) -> int:
     """Maximum history length n: ``budget - K - 1`` for ``recent``, Hb (whole chunks) for ``diffspec``."""
-    if spec.draft_context_policy == "recent":
-        return spec.diffspec_token_budget - spec.num_speculative_tokens - 1
+    if spec.context.policy == "recent":
+        return spec.context.token_budget - spec.num_speculative_tokens - 1
     return spec.history_budget
 
 

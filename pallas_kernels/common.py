@@ -10,6 +10,11 @@ powers of two, and there is no TMA. Each kernel has a pure-JAX reference with th
 that owns the reference picks one of the two by :func:`kernel_backend` (:mod:`pallas_kernels.dispatch` lists
 them), so porting one to Mosaic GPU later changes nothing else.
 
+**The choice** is configuration (:attr:`diffspec_jax.SpecConfig.kernels`: ``auto`` / ``reference`` / ``pallas``;
+``$DIFFSPEC_KERNELS`` only gives its default, read when the config is built). The engine traces each program under
+its plan's choice (:func:`use_kernels`); :func:`kernel_backend` returns the innermost one while tracing, and the
+device default (:func:`resolve_kernels` of ``"auto"``) outside any, e.g. for a model function called directly.
+
 **Indexing.** Every load and store indexes all four dimensions with broadcastable integer arrays (no slices):
 that single form is what both the Triton lowering (pointer arithmetic) and the CPU interpreter accept for gathers,
 strided columns and masks, so the interpreted kernel *is* the compiled kernel.
@@ -22,7 +27,9 @@ group; :func:`rows_to_heads` undoes it).
 
 from __future__ import annotations
 
-import os
+import contextlib
+import contextvars
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -35,16 +42,38 @@ NEG = -1e30
 BACKENDS = ("reference", "pallas")
 
 
+#: the backend chosen by the innermost :func:`use_kernels` (``None``: none is active); a context variable, so each
+#: thread that traces (the server's engine thread, a caller's) sees only its own choice
+_CHOICE: contextvars.ContextVar[str | None] = contextvars.ContextVar("diffspec_kernels", default=None)
+
+
+def resolve_kernels(choice: str) -> str:
+    """The backend of a kernel choice: ``"auto"`` is Pallas on GPUs and the pure-JAX references elsewhere
+    (``"pallas"`` on a CPU interprets the kernels: slow, for tests)."""
+    if choice == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if choice not in BACKENDS:
+        raise ConfigError(f"kernels must be one of {('auto',) + BACKENDS}, got {choice!r}")
+    return choice
+
+
+@contextlib.contextmanager
+def use_kernels(choice: str) -> Iterator[str]:
+    """Trace (or call) the kernel selectors with ``choice`` (``auto`` / ``reference`` / ``pallas``) inside the
+    block; yields the resolved backend."""
+    token = _CHOICE.set(resolve_kernels(choice))
+    try:
+        yield _CHOICE.get()
+    finally:
+        _CHOICE.reset(token)
+
+
 def kernel_backend() -> str:
-    """``"pallas"`` or ``"reference"`` for this process: ``DIFFSPEC_KERNELS=reference|pallas`` in the environment,
-    else Pallas on GPUs and the pure-JAX references elsewhere (``pallas`` on a CPU interprets the kernels: slow,
-    for tests). Read at trace time, so fixed for the life of a compiled function."""
-    choice = os.environ.get("DIFFSPEC_KERNELS", "").strip().lower()
-    if choice:
-        if choice not in BACKENDS:
-            raise ConfigError(f"DIFFSPEC_KERNELS must be one of {BACKENDS}, got {choice!r}")
-        return choice
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    """``"pallas"`` or ``"reference"``: the innermost :func:`use_kernels` choice, else the device default. The
+    selectors read it when they are traced, so a compiled function keeps the choice it was traced with (the
+    engine's programs are traced under their plan's choice, which is part of their compile key)."""
+    choice = _CHOICE.get()
+    return resolve_kernels("auto") if choice is None else choice
 
 
 def interpret_mode() -> bool:

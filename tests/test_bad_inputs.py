@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffspec_jax import SamplingConfig, SpecConfig, generate, load_draft, load_target
+from diffspec_jax import SamplingConfig, SpecConfig, Tree, generate, load_draft, load_target
 from diffspec_jax.config import GREEDY_TEMPERATURE, DraftConfig, ModelConfig, RopeConfig
 from diffspec_jax.errors import (CheckpointError, ConfigError, DiffspecError, InputError, IntegrityError,
                                  OutputDirError, PathNotFoundError, exit_code)
@@ -174,13 +174,13 @@ def test_tiny_temperature_generates_the_greedy_tokens(targets):
 def test_tree_mode_node_count_above_what_topk_and_k_can_fill():
     with pytest.raises(ConfigError, match=r"diffspec_max_tree_nodes \(50\) exceeds the 8 candidates .* lower "
                                           r"diffspec_max_tree_nodes to <= 8"):
-        SpecConfig(num_speculative_tokens=1, diffspec_verification_mode="tree")
-    ok = SpecConfig(num_speculative_tokens=1, diffspec_verification_mode="tree", diffspec_max_tree_nodes=8)
-    assert ok.tree_pool_size == 8
-    assert SpecConfig(num_speculative_tokens=2, diffspec_verification_mode="tree").tree_pool_size == 8 + 64
+        SpecConfig.from_flat(dict(num_speculative_tokens=1, diffspec_verification_mode="tree"))
+    ok = SpecConfig.from_flat(dict(num_speculative_tokens=1, diffspec_verification_mode="tree", diffspec_max_tree_nodes=8))
+    assert ok.verification.pool_size(ok.num_speculative_tokens) == 8
+    assert Tree().pool_size(2) == 8 + 64
     with pytest.raises(ConfigError, match="exceeds the 3 candidates"):
-        SpecConfig(num_speculative_tokens=3, diffspec_verification_mode="tree", diffspec_tree_topk=1,
-                   diffspec_max_tree_nodes=6)
+        SpecConfig.from_flat(dict(num_speculative_tokens=3, diffspec_verification_mode="tree", diffspec_tree_topk=1,
+                                  diffspec_max_tree_nodes=6))
 
 
 @pytest.mark.parametrize("kw, needle", [
@@ -194,7 +194,7 @@ def test_tree_mode_node_count_above_what_topk_and_k_can_fill():
 ])
 def test_spec_config_types(kw, needle):
     with pytest.raises(ConfigError, match=needle):
-        SpecConfig(**kw)
+        SpecConfig.from_flat(kw)
 
 
 def test_tree_mode_k1_through_the_cli_is_a_usage_error(capsys):

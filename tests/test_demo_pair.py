@@ -50,7 +50,7 @@ def test_greedy_speculative_equals_target_only_on_the_pair(dtype, tokenizer):
     ids = tokenizer(demo.prompt_text())["input_ids"]
     prompts = [ids[:1200], ids[3000:3700]]
     base = generate(target, None, prompts, max_new_tokens=40, stop_token_ids=())
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_token_budget=512)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_token_budget=512))
     res = generate(target, draft, prompts, max_new_tokens=40, spec=spec, stop_token_ids=())
     assert res.tokens == base.tokens
     assert res.stats.mean_acceptance_length > 1.3
@@ -66,11 +66,11 @@ def test_tree_mode_on_the_pair_is_lossless_and_accepts_deeper(tokenizer):
     prompts = [ids[:900], ids[5000:5600]]
     base = generate(target, None, prompts, max_new_tokens=48, stop_token_ids=())
     chain = generate(target, draft, prompts, max_new_tokens=48, stop_token_ids=(),
-                     spec=SpecConfig(draft_context_policy="diffspec", diffspec_token_budget=512))
+                     spec=SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_token_budget=512)))
     tree = generate(target, draft, prompts, max_new_tokens=48, stop_token_ids=(),
-                    spec=SpecConfig(draft_context_policy="diffspec", diffspec_token_budget=512,
-                                    diffspec_verification_mode="tree", diffspec_max_tree_nodes=16,
-                                    diffspec_tree_topk=4))
+                    spec=SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_token_budget=512,
+                                                   diffspec_verification_mode="tree", diffspec_max_tree_nodes=16,
+                                                   diffspec_tree_topk=4)))
     assert tree.tokens == base.tokens
     hist = tree.stats.accepted_depth_histogram
     assert sum(hist[2:]) > 0 and tree.stats.mean_acceptance_length >= chain.stats.mean_acceptance_length

@@ -91,7 +91,7 @@ def test_tree_cycles_run_in_blocks(targets, drafts):
     small = dict(num_speculative_tokens=2, diffspec_verification_mode="tree", diffspec_max_tree_nodes=4,
                  diffspec_tree_topk=2, diffspec_tree_branching="full")  # a small tree compiles faster
     full = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=24, stop_token_ids=(),
-                    spec=SpecConfig(**small))
+                    spec=SpecConfig.from_flat(small))
     assert full.tokens == base
     s = full.stats
     assert s.block_cycles == engine.DEFAULT_BLOCK_CYCLES and s.blocks == math.ceil(s.cycles / s.block_cycles) + 1
@@ -99,15 +99,15 @@ def test_tree_cycles_run_in_blocks(targets, drafts):
     snap = s.drafting["per_sequence"][0]["branching"]
     assert snap["caps"] == [2, 2] and snap["updates"] > s.block_cycles  # every cycle was replayed
     hazard = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=24, stop_token_ids=(),
-                      spec=SpecConfig(draft_context_policy="full", **tree))
+                      spec=SpecConfig.from_flat(dict(draft_context_policy="full", **tree)))
     h = hazard.stats
     assert hazard.tokens == base and h.block_cycles == 1 and h.blocks == h.cycles and h.host_syncs == 1 + h.cycles
 
 
 # ------------------------------------------------------------------------- on-device controller mirrors
 CHUNK = 16
-CADENCE_SPEC = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=CHUNK, diffspec_token_budget=96,
-                          num_speculative_tokens=3, diffspec_retrieval_interval=2, diffspec_adaptive_profile=True)
+CADENCE_SPEC = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=CHUNK, diffspec_token_budget=96,
+                                         num_speculative_tokens=3, diffspec_retrieval_interval=2, diffspec_adaptive_profile=True))
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -161,8 +161,8 @@ def test_device_cadence_decides_what_retrieval_control_decides(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_device_depth_decides_what_adaptive_depth_decides(seed):
-    spec = SpecConfig(num_speculative_tokens=5, diffspec_adaptive_profile=True, diffspec_long_context_threshold=120,
-                      diffspec_long_context_depth=2)
+    spec = SpecConfig.from_flat(dict(num_speculative_tokens=5, diffspec_adaptive_profile=True, diffspec_long_context_threshold=120,
+                                     diffspec_long_context_depth=2))
     plan = SimpleNamespace(spec=spec, k=5)
     rng = np.random.default_rng(seed)
     b = 6

@@ -1,6 +1,7 @@
 """DiffSpec end to end: lossless working-cache policies, retrieval cadence and counters, target-guided selection,
 equivalence with plain EAGLE-3 when everything fits, and no recompilation across retrievals."""
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ def check_identity(retrieval_stats):
          diffspec_adaptive_profile=True),
 ])
 def test_working_cache_policies_are_lossless(extra, targets, drafts, prompts, baseline):
-    res = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=NEW, spec=SpecConfig(**SMALL, **extra),
+    res = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=NEW, spec=SpecConfig.from_flat(dict(**SMALL, **extra)),
                    stop_token_ids=())
     assert res.tokens == baseline
     if extra["draft_context_policy"] == "diffspec":
@@ -58,7 +59,7 @@ def test_working_cache_policies_are_lossless(extra, targets, drafts, prompts, ba
 
 @pytest.mark.parametrize("interval", [2, 3])
 def test_retrieval_fires_at_the_configured_cadence_in_chain_mode(interval, targets, drafts, prompts):
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_retrieval_interval=interval, **SMALL)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_retrieval_interval=interval, **SMALL))
     res = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=NEW, spec=spec, stop_token_ids=())
     check_identity(res.stats.retrieval)
     for s in res.stats.retrieval["per_sequence"]:  # every prompt is longer than Hb: nothing is skipped as fitting
@@ -68,7 +69,7 @@ def test_retrieval_fires_at_the_configured_cadence_in_chain_mode(interval, targe
 
 
 def test_retrieve_after_prefill_switch_and_short_contexts(targets, drafts):
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_retrieve_after_prefill=False, **SMALL)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_retrieve_after_prefill=False, **SMALL))
     res = generate(targets["llama"], drafts["llama"], random_prompts(3, [90, 12]), max_new_tokens=16, spec=spec,
                    stop_token_ids=())
     long_, short = res.stats.retrieval["per_sequence"]
@@ -82,8 +83,8 @@ def test_diffspec_with_budget_covering_the_context_proposes_what_full_proposes(t
     draft token of every cycle equals plain EAGLE-3's."""
     logs = {"full": [], "diffspec": []}
     for policy in logs:
-        spec = SpecConfig(draft_context_policy=policy, num_speculative_tokens=3, diffspec_chunk_size=16,
-                          diffspec_token_budget=256)
+        spec = SpecConfig.from_flat(dict(draft_context_policy=policy, num_speculative_tokens=3, diffspec_chunk_size=16,
+                                         diffspec_token_budget=256))
         generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=32, spec=spec, stop_token_ids=(),
                  proposer=functools.partial(recording_proposer, logs[policy]))
     assert len(logs["full"]) == len(logs["diffspec"]) > 5
@@ -95,7 +96,7 @@ def test_working_cache_really_restricts_the_draft(targets, drafts, prompts):
     """With a small budget the draft sees a different context, so its proposals differ from plain EAGLE-3's."""
     logs = {"full": [], "diffspec": []}
     for policy in logs:
-        spec = SpecConfig(draft_context_policy=policy, **SMALL)
+        spec = SpecConfig.from_flat(dict(draft_context_policy=policy, **SMALL))
         generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=16, spec=spec, stop_token_ids=(),
                  proposer=functools.partial(recording_proposer, logs[policy]))
     assert any(not np.array_equal(a, b) for a, b in zip(logs["full"], logs["diffspec"]))
@@ -141,32 +142,32 @@ def needle_prompt(chunk_id, length=200, chunk=8, seed=0):
 
 def test_selection_follows_the_targets_attention(needle_pair):
     target, draft = needle_pair
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=8, diffspec_token_budget=24,
-                      num_speculative_tokens=3, diffspec_scoring_layer=0)  # Hb 16: the newest chunk + 1 anchor
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=8, diffspec_token_budget=24,
+                                     num_speculative_tokens=3, diffspec_scoring_layer=0))  # Hb 16: the newest chunk + 1 anchor
     res = generate(target, draft, [needle_prompt(5), needle_prompt(12)], max_new_tokens=2, spec=spec,
                    stop_token_ids=())
     per = res.stats.retrieval["per_sequence"]
     assert per[0]["anchor_chunks"] == [5] and per[1]["anchor_chunks"] == [12]
     # the scoring layer key has an effect: the last layer (random attention) ranks chunks differently
     other = generate(target, draft, [needle_prompt(5), needle_prompt(12)], max_new_tokens=2,
-                     spec=SpecConfig(**{**spec.__dict__, "diffspec_scoring_layer": None}), stop_token_ids=())
+                     spec=spec.replace(context=dataclasses.replace(spec.context, scoring_layer=None)), stop_token_ids=())
     assert [s["anchor_chunks"] for s in other.stats.retrieval["per_sequence"]] != [[5], [12]]
     # so does the scorer: salience ranks chunks by the (random) draft's query against chunk key means
     sal = generate(target, draft, [needle_prompt(5), needle_prompt(12)], max_new_tokens=2,
-                   spec=SpecConfig(**{**spec.__dict__, "diffspec_scorer": "salience"}), stop_token_ids=())
+                   spec=spec.replace(context=dataclasses.replace(spec.context, scorer="salience")), stop_token_ids=())
     assert [s["anchor_chunks"] for s in sal.stats.retrieval["per_sequence"]] != [[5], [12]]
 
 
 def test_chunk_size_changes_the_selection_granularity(needle_pair):
     target, draft = needle_pair
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=16, diffspec_token_budget=48,
-                      num_speculative_tokens=3, diffspec_scoring_layer=0)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=16, diffspec_token_budget=48,
+                                     num_speculative_tokens=3, diffspec_scoring_layer=0))
     res = generate(target, draft, [needle_prompt(5)], max_new_tokens=2, spec=spec, stop_token_ids=())
     assert res.stats.retrieval["per_sequence"][0]["anchor_chunks"] == [2]  # positions 40-43 lie in 16-chunk 2
 
 
 def test_no_recompilation_across_retrievals_and_cycles(targets, drafts, prompts):
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_retrieval_interval=2, **SMALL)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_retrieval_interval=2, **SMALL))
     kw = dict(spec=spec, stop_token_ids=(), max_cache_len=256)
     generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=8, **kw)
     with CompileCounter() as counter:

@@ -138,4 +138,4 @@ def test_bad_settings():
     with pytest.raises(ConfigError, match=r"top_p must be (in \(0, 1\]|a finite number > 0)"):
         SamplingConfig(top_p=0.0)
     with pytest.raises(ConfigError, match="draft_context_policy must be one of"):
-        SpecConfig(draft_context_policy="window")
+        SpecConfig.from_flat(dict(draft_context_policy="window"))

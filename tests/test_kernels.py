@@ -169,30 +169,44 @@ def test_cache_attention_split_plan():
 def test_dispatch_cache_attention(monkeypatch):
     rng = np.random.default_rng(7)
     q, k, v, _, _, lengths = _cache_inputs(rng, 3, 2, 4, 2, 40, 16, jnp.float32)
-    monkeypatch.setenv("DIFFSPEC_KERNELS", "reference")
-    ref = dispatch.cache_attention(q, k, v, lengths, scale=0.25)
+    with dispatch.use_kernels("reference"):
+        ref = dispatch.cache_attention(q, k, v, lengths, scale=0.25)
     for a, b in zip(ref, attention_prefix(q, k, v, lengths, 0.25)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    monkeypatch.setenv("DIFFSPEC_KERNELS", "pallas")
-    ours = dispatch.cache_attention(q, k, v, lengths, scale=0.25)
+    with dispatch.use_kernels("pallas"):
+        ours = dispatch.cache_attention(q, k, v, lengths, scale=0.25)
     for a, b in zip(ours, ref):
         close(a, b, jnp.float32)
 
 
 def test_dispatch_choice_and_override(monkeypatch):
+    """The choice is SpecConfig.kernels ($DIFFSPEC_KERNELS only its default, read when the config is built); the
+    selectors follow the innermost use_kernels, else the device default, and never read the environment."""
+    from diffspec_jax import SpecConfig
     from diffspec_jax.errors import ConfigError
 
+    device = "pallas" if jax.default_backend() == "gpu" else "reference"
     monkeypatch.delenv("DIFFSPEC_KERNELS", raising=False)
-    assert dispatch.kernel_backend() == ("pallas" if jax.default_backend() == "gpu" else "reference")
+    assert dispatch.kernel_backend() == device and SpecConfig().kernels == "auto"
     monkeypatch.setenv("DIFFSPEC_KERNELS", "pallas")
-    assert dispatch.kernel_backend() == "pallas"
+    assert dispatch.kernel_backend() == device  # not read at trace time
+    spec = SpecConfig()
+    assert spec.kernels == "pallas" and SpecConfig.from_flat({"kernels": "reference"}).kernels == "reference"
+    with dispatch.use_kernels(spec.kernels) as chosen:
+        assert chosen == "pallas" and dispatch.kernel_backend() == "pallas"
+        with dispatch.use_kernels("reference"):
+            assert dispatch.kernel_backend() == "reference"
+        assert dispatch.kernel_backend() == "pallas"
+    assert dispatch.kernel_backend() == device
     monkeypatch.setenv("DIFFSPEC_KERNELS", "triton")
     with pytest.raises(ConfigError, match="DIFFSPEC_KERNELS must be one of"):
-        dispatch.kernel_backend()
+        SpecConfig()
+    with pytest.raises(ConfigError, match="kernels must be one of"):
+        SpecConfig(kernels="triton")
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_engine_on_pallas_kernels_matches_reference(tp, targets, drafts, monkeypatch):
+def test_engine_on_pallas_kernels_matches_reference(tp, targets, drafts):
     """DiffSpec decoding with every kernel in Pallas (interpreted on CPUs), also inside shard_map at TP2."""
     from diffspec_jax import SpecConfig, generate, make_mesh
 
@@ -200,12 +214,12 @@ def test_engine_on_pallas_kernels_matches_reference(tp, targets, drafts, monkeyp
         pytest.skip(f"needs {tp} devices, {jax.device_count()} visible")
 
     prompts = random_prompts(12, (90, 41))
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=8, diffspec_token_budget=40,
-                      num_speculative_tokens=3, diffspec_retrieval_interval=2)
-    monkeypatch.setenv("DIFFSPEC_KERNELS", "reference")
-    ref = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=12, spec=spec, stop_token_ids=())
-    monkeypatch.setenv("DIFFSPEC_KERNELS", "pallas")
-    ours = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=12, spec=spec, stop_token_ids=(),
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=8, diffspec_token_budget=40,
+                                     num_speculative_tokens=3, diffspec_retrieval_interval=2))
+    ref = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=12, spec=spec.replace(kernels="reference"),
+                   stop_token_ids=())
+    ours = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=12, spec=spec.replace(kernels="pallas"),
+                    stop_token_ids=(),
                     mesh=make_mesh(tp) if tp > 1 else None)
     assert ours.tokens == ref.tokens
     assert [s["anchor_chunks"] for s in ours.stats.retrieval["per_sequence"]] == \

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from checkpoints_tools import hf
 from checkpoints_tools.make_tiny import _transformers_class, tiny_config, tiny_draft_config, transformers_config
-from diffspec_jax import sharding
+from diffspec_jax import make_mesh, sharding
 from diffspec_jax.models import eagle3, family, llama
 from diffspec_jax.models import params as tables
 
@@ -222,6 +222,30 @@ def test_a_toy_model_is_one_table_and_one_forward(tmp_path):
     sharded = tables.shard(table, params, 4)
     assert sharded["embed"].shape == (12, 4) and sharded["head"].shape == (4, 12)
     assert tables.partition_specs(table) == {"embed": P(TP, None), "head": P(None, TP)}
+
+
+def test_a_toy_model_runs_tensor_parallel_from_its_table(tmp_path):
+    """The same toy table, loaded from its checkpoint, laid out over tp=4 (vocabulary padded, sharded), placed on a
+    mesh and run per shard by the one jit(shard_map) builder: the logits are the single-device ones."""
+    table, tp = toy_table(10, 4), 4
+    params = tables.init(table, seed=5, scale=0.5)
+    hf.write_safetensors(tmp_path, hf.export_tensors(params, table))
+    with hf.WeightReader(tmp_path) as reader:
+        loaded = hf.read_tensors(reader, table, jnp.float32)
+    mesh = make_mesh(tp)
+    placed = sharding.put(tables.shard(table, loaded, tp), tables.partition_specs(table), mesh)
+
+    def shard_forward(p, tokens):  # a vocabulary-parallel lookup (masked, psum-ed), local logits
+        rows = p["embed"].shape[0]
+        local = tokens - jax.lax.axis_index(TP) * rows
+        hit = (local >= 0) & (local < rows)
+        x = jnp.where(hit[..., None], p["embed"][jnp.clip(local, 0, rows - 1)], 0.0)
+        return jax.lax.psum(x, TP) @ p["head"]
+
+    fn = sharding.jit_sharded(shard_forward, mesh, (tables.partition_specs(table), P()), P(None, None, TP))
+    tokens = jnp.asarray([[1, 9, 3, 0], [7, 7, 2, 5]], jnp.int32)
+    np.testing.assert_allclose(np.asarray(fn(placed, tokens))[..., :10], toy_forward(params, tokens), rtol=1e-6,
+                               atol=1e-6)
 
 
 def test_joint_tensors_round_trip():

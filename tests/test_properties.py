@@ -61,16 +61,17 @@ SPEC_FIELDS = {
 @given(st.fixed_dictionaries({}, optional=SPEC_FIELDS))
 def test_spec_config_works_or_raises_config_error(kw):
     try:
-        spec = SpecConfig(**kw)
+        spec = SpecConfig.from_flat(kw)
     except ConfigError:
         return
     # a config that constructs is consistent
     assert spec.num_speculative_tokens >= 1 and spec.history_budget >= 0 and spec.max_chunks >= 0
     if spec.tree:
-        assert spec.num_speculative_tokens <= spec.diffspec_max_tree_nodes <= min(255, spec.tree_pool_size)
-        assert spec.diffspec_tree_topk <= spec.diffspec_max_tree_nodes
+        tree = spec.verification
+        assert spec.num_speculative_tokens <= tree.max_nodes <= min(255, tree.pool_size(spec.num_speculative_tokens))
+        assert tree.topk <= tree.max_nodes
     if spec.uses_working_cache:
-        assert spec.max_chunks >= (2 if spec.diffspec_keep_sink_chunk else 1)
+        assert spec.max_chunks >= (2 if getattr(spec.context, "keep_sink_chunk", False) else 1)
     hash(spec)
 
 

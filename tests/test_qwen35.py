@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import check_cached_steps, random_prompts, rel_err, rewrite_safetensors
-from diffspec_jax import ModelConfig, SpecConfig, forward, generate, load_draft, load_target, make_mesh
+from diffspec_jax import DiffSpec, ModelConfig, SpecConfig, forward, generate, load_draft, load_target, make_mesh
 from diffspec_jax import target as tgt
 from diffspec_jax.errors import ConfigError, UnsupportedModelError
 
@@ -89,9 +89,9 @@ def test_layer_types_default_and_refusals():
     cfg = ModelConfig.from_dict(base)
     assert cfg.full_attention_layers == (3, 7)  # full_attention_interval 4 by default
     assert cfg.rope.partial_rotary_factor == 0.25 and cfg.rope.theta == 1e7  # Qwen3.5's partial RoPE default
-    assert SpecConfig(draft_context_policy="diffspec").scoring_layer(cfg) == 7
+    assert DiffSpec().layer_for(cfg) == 7
     with pytest.raises(ConfigError, match="diffspec_scoring_layer 5 is a linear_attention layer"):
-        SpecConfig(draft_context_policy="diffspec", diffspec_scoring_layer=5).scoring_layer(cfg)
+        DiffSpec(scoring_layer=5).layer_for(cfg)
     with pytest.raises(UnsupportedModelError, match="attn_output_gate=false"):
         ModelConfig.from_dict({**base, "attn_output_gate": False})
     with pytest.raises(UnsupportedModelError, match=r"layer types \['sliding_attention'\]"):
@@ -255,7 +255,7 @@ def test_partial_acceptance_through_the_engine_is_lossless(q35_targets, q35_base
 @pytest.mark.parametrize("tp", [1, 4])
 def test_greedy_speculative_output_equals_target_only(tp, q35_targets, q35_draft, q35_baseline):
     """A random EAGLE-3 draft with DiffSpec retrieval (scored at the last full-attention layer, 3)."""
-    spec = SpecConfig(draft_context_policy="diffspec", **SPEC)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", **SPEC))
     res = generate(q35_targets["causal", "fused"], q35_draft, PROMPTS, max_new_tokens=NEW, spec=spec,
                    stop_token_ids=(), mesh=make_mesh(tp) if tp > 1 else None)
     assert res.tokens == [t[:NEW] for t in q35_baseline]

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffspec_jax import SpecConfig
+from diffspec_jax import DiffSpec, Full, SpecConfig
 from diffspec_jax.config import DraftConfig, RopeConfig
 from diffspec_jax.engine import _RetrievalControl
 from diffspec_jax.errors import ConfigError
@@ -150,18 +150,21 @@ def small_draft_config(interleaved=False, partial=1.0):
                        rope=RopeConfig(theta=10000.0, interleaved=interleaved, partial_rotary_factor=partial))
 
 
+def random_store(cfg, batch, rng):
+    """A draft cache (C = 4, B = 24, K = 3: Hb = 20) whose canonical store holds random keys and values."""
+    spec = SpecConfig(num_speculative_tokens=3, context=DiffSpec(chunk_size=4, token_budget=24))
+    cache = DraftCache.create(cfg, spec, batch, 64, jnp.float32)
+    return cache.replace(store_k=jnp.asarray(rng.standard_normal(cache.store_k.shape), jnp.float32),
+                         store_v=jnp.asarray(rng.standard_normal(cache.store_v.shape), jnp.float32))
+
+
 @pytest.mark.parametrize("interleaved, partial", [(False, 1.0), (True, 1.0), (False, 0.5)])
 def test_gather_rope_write_equals_rotating_the_gathered_rows(interleaved, partial):
     from diffspec_jax.models.eagle3 import rope
 
     cfg = small_draft_config(interleaved, partial)
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=24,
-                      num_speculative_tokens=3)
-    rng = np.random.default_rng(3)
-    cache = DraftCache.create(cfg, spec, 2, 64, jnp.float32)
-    cache = cache.replace(store_k=jnp.asarray(rng.standard_normal(cache.store_k.shape), jnp.float32),
-                          store_v=jnp.asarray(rng.standard_normal(cache.store_v.shape), jnp.float32),
-                          work_k=jnp.full(cache.work_k.shape, jnp.nan), work_v=jnp.full(cache.work_v.shape, jnp.nan))
+    cache = random_store(cfg, 2, np.random.default_rng(3))
+    cache = cache.replace(work_k=jnp.full(cache.work_k.shape, jnp.nan), work_v=jnp.full(cache.work_v.shape, jnp.nan))
     idx = np.full((2, 16), -1, np.int32)
     idx[0, :10] = [0, 1, 2, 3, 20, 21, 22, 23, 40, 41]
     idx[1, :16] = np.arange(30, 46)
@@ -182,13 +185,9 @@ def test_draft_attention_over_working_cache_equals_dense_attention_on_selected_t
     from diffspec_jax.models.layers import attention_dense, causal_mask
 
     cfg = small_draft_config()
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=24,
-                      num_speculative_tokens=3)
     rng = np.random.default_rng(4)
-    cache = DraftCache.create(cfg, spec, 1, 64, jnp.float32)
-    cache = cache.replace(store_k=jnp.asarray(rng.standard_normal(cache.store_k.shape), jnp.float32),
-                          store_v=jnp.asarray(rng.standard_normal(cache.store_v.shape), jnp.float32),
-                          work_k=jnp.asarray(rng.standard_normal(cache.work_k.shape), jnp.float32))
+    cache = random_store(cfg, 1, rng)
+    cache = cache.replace(work_k=jnp.asarray(rng.standard_normal(cache.work_k.shape), jnp.float32))
     selected = [4, 5, 6, 7, 30, 31, 33, 34]
     idx = jnp.asarray([selected + [-1] * 8])
     cache = gather_rope_write(cfg, cache, idx)
@@ -234,22 +233,22 @@ def test_salience_scores_and_chunk_sums():
 ])
 def test_invalid_combinations(kw, needle):
     with pytest.raises(ConfigError, match=needle):
-        SpecConfig(draft_context_policy="diffspec", **kw)
+        SpecConfig.from_flat(dict(draft_context_policy="diffspec", **kw))
 
 
 def test_defaults_follow_the_reference_table():
-    s = SpecConfig(draft_context_policy="diffspec", num_speculative_tokens=3)
-    assert (s.diffspec_chunk_size, s.diffspec_token_budget, s.diffspec_retrieval_interval) == (64, 2048, 4)
+    s = SpecConfig.from_flat(dict(draft_context_policy="diffspec", num_speculative_tokens=3))
+    assert (s.context.chunk_size, s.context.token_budget, s.context.retrieval_interval) == (64, 2048, 4)
     assert (s.history_budget, s.max_chunks) == (1984, 31)
-    assert SpecConfig(draft_context_policy="diffspec", num_speculative_tokens=5,
-                      diffspec_chunk_size=32).history_budget == 2016
-    assert SpecConfig().draft_context_policy == "full" and not SpecConfig().diffspec_adaptive_profile
+    assert SpecConfig.from_flat(dict(draft_context_policy="diffspec", num_speculative_tokens=5,
+                                     diffspec_chunk_size=32)).history_budget == 2016
+    assert SpecConfig().context == Full() and not SpecConfig().verification.adaptive
 
 
 # ---------------------------------------------------------------------------------- adaptive interval
 def test_adaptive_interval_doubles_on_stable_selections_and_resets_on_change():
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=64,
-                      num_speculative_tokens=3, diffspec_retrieval_interval=8, diffspec_adaptive_profile=True)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=64,
+                                     num_speculative_tokens=3, diffspec_retrieval_interval=8, diffspec_adaptive_profile=True))
     ctl = _RetrievalControl(spec, 1)
     root = 400  # newest chunk 100
     same = np.array([[1, 2, 3] + [-1] * 11])  # [ranks, A]

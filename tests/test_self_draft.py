@@ -42,7 +42,7 @@ def baselines(targets, prompts):
 def test_greedy_self_draft_equals_target_only(arch, policy, targets, prompts, baselines):
     """Ragged prompts longer than the 40-token budget: the working set holds 32 of their positions."""
     res = generate(targets[arch], "self", prompts, max_new_tokens=NEW, stop_token_ids=(),
-                   spec=SpecConfig(draft_context_policy=policy, **SMALL))
+                   spec=SpecConfig.from_flat(dict(draft_context_policy=policy, **SMALL)))
     assert res.tokens == baselines[arch]
     s = res.stats
     assert s.draft_context_policy == policy and s.drafted_tokens == K * s.sequence_cycles
@@ -59,7 +59,7 @@ def test_self_draft_on_a_tensor_and_data_parallel_mesh_equals_one_device(targets
     rank selects, drafts and accepts as one device does."""
     from diffspec_jax import make_mesh
 
-    spec = SpecConfig(draft_context_policy="diffspec", **SMALL)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", **SMALL))
     one = generate(targets["llama"], "self", prompts, max_new_tokens=16, spec=spec, stop_token_ids=())
     res = generate(targets["llama"], "self", prompts, max_new_tokens=16, spec=spec, stop_token_ids=(),
                    mesh=make_mesh(tp=2, dp=2))
@@ -80,7 +80,7 @@ def test_greedy_self_draft_of_a_hybrid_target_equals_target_only():
     prompts = random_prompts(9, (70, 45))
     base = generate(target, None, prompts, max_new_tokens=16, stop_token_ids=()).tokens
     res = generate(target, "self", prompts, max_new_tokens=16, stop_token_ids=(),
-                   spec=SpecConfig(draft_context_policy="diffspec", **SMALL))
+                   spec=SpecConfig.from_flat(dict(draft_context_policy="diffspec", **SMALL)))
     assert res.tokens == base and res.stats.retrieval["aggregate"]["retrievals"] >= 2
 
 
@@ -136,7 +136,7 @@ def test_working_set_is_a_gather_of_the_target_rows_and_drafts_match_a_masked_fo
 
     target = targets["llama"]
     cfg, params = target.config, target.params
-    spec = self_draft_spec(SpecConfig(draft_context_policy="diffspec", draft_sampling="sample", **SMALL), cfg)
+    spec = self_draft_spec(SpecConfig.from_flat(dict(draft_context_policy="diffspec", draft_sampling="sample", **SMALL)), cfg)
     plan = engine.Plan(target=cfg, draft=None, spec=spec, sampling=SamplingConfig(temperature=1.0), aux_layers=(),
                        capacity=CAPACITY, self_draft=True)
     state, first = prefilled(plan, target, prompts)
@@ -144,7 +144,7 @@ def test_working_set_is_a_gather_of_the_target_rows_and_drafts_match_a_masked_fo
     propose = jax.jit(functools.partial(self_propose, plan))
     fns = engine.compiled(plan)
     active = jnp.ones(len(prompts), bool)
-    c, hb, t_max = spec.diffspec_chunk_size, spec.history_budget, CAPACITY
+    c, hb, t_max = spec.context.chunk_size, spec.history_budget, CAPACITY
     rebuilt = appended = 0
     for cycle in range(6):
         anchors = np.asarray(working_set.effective_anchors(state.retrieval.anchors, state.length, c,
@@ -214,8 +214,8 @@ def test_self_draft_sampling_keeps_the_target_distribution(micro):
     prompt = random_prompts(4, [60], vocab=64)[0]
     x = 7  # the last emitted token, fixed for every row (the prefill's own sample varies per row)
     sampling = SamplingConfig(temperature=0.9)  # no truncation: its boundary would move with float rounding
-    spec = self_draft_spec(SpecConfig(draft_context_policy="recent", draft_sampling="sample", diffspec_chunk_size=8,
-                                      diffspec_token_budget=24, num_speculative_tokens=2), micro.config)
+    spec = self_draft_spec(SpecConfig.from_flat(dict(draft_context_policy="recent", draft_sampling="sample", diffspec_chunk_size=8,
+                                                     diffspec_token_budget=24, num_speculative_tokens=2)), micro.config)
     plan = engine.Plan(target=micro.config, draft=None, spec=spec, sampling=sampling, aux_layers=(),
                        capacity=CAPACITY, self_draft=True)
     base, _ = prefilled(plan, micro, [prompt])
@@ -240,11 +240,11 @@ def test_self_draft_sampling_keeps_the_target_distribution(micro):
 def test_self_draft_refuses_what_it_does_not_support(targets, prompts):
     t = targets["llama"]
     bad = [("selff", SpecConfig(), "draft must be"),
-           ("self", SpecConfig(diffspec_verification_mode="tree", num_speculative_tokens=3), "chains"),
-           ("self", SpecConfig(draft_context_policy="diffspec", diffspec_scorer="salience"), "salience"),
-           ("self", SpecConfig(draft_context_policy="diffspec", diffspec_redundancy_weight=0.5), "salience"),
-           ("self", SpecConfig(draft_context_policy="recent", diffspec_chunk_size=16, diffspec_token_budget=32,
-                               num_speculative_tokens=3), "sink chunk")]
+           ("self", SpecConfig.from_flat(dict(diffspec_verification_mode="tree", num_speculative_tokens=3)), "chains"),
+           ("self", SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_scorer="salience")), "salience"),
+           ("self", SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_redundancy_weight=0.5)), "salience"),
+           ("self", SpecConfig.from_flat(dict(draft_context_policy="recent", diffspec_chunk_size=16, diffspec_token_budget=32,
+                                              num_speculative_tokens=3)), "sink chunk")]
     for draft, spec, match in bad:
         with pytest.raises(ConfigError, match=match):
             generate(t, draft, prompts, max_new_tokens=4, spec=spec)

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
 SLOTS, MAX_LEN, CHUNK, WAITING = 4, 512, 64, 4
 #: DiffSpec with a small working cache, so prompts of a few hundred tokens retrieve
-SPEC = SpecConfig(num_speculative_tokens=4, draft_context_policy="diffspec", diffspec_token_budget=128,
-                  diffspec_chunk_size=16)
+SPEC = SpecConfig.from_flat(dict(num_speculative_tokens=4, draft_context_policy="diffspec", diffspec_token_budget=128,
+                                 diffspec_chunk_size=16))
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>\n{% endif %}")
 

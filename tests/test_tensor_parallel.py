@@ -41,7 +41,7 @@ SPEC = dict(num_speculative_tokens=3, diffspec_chunk_size=8, diffspec_token_budg
 def tp1(targets, drafts):
     out = {}
     for policy in ("full", "diffspec"):
-        spec = SpecConfig(draft_context_policy=policy, **SPEC)
+        spec = SpecConfig.from_flat(dict(draft_context_policy=policy, **SPEC))
         out[policy] = generate(targets["llama"], drafts["llama"], PROMPTS, max_new_tokens=32, spec=spec,
                                stop_token_ids=())
     return out
@@ -50,7 +50,7 @@ def tp1(targets, drafts):
 @pytest.mark.parametrize("policy", ["full", "diffspec"])
 @pytest.mark.parametrize("draft_tp", [None, 1])  # draft sharded like the target, or replicated
 def test_tp4_speculative_generation_is_token_identical_to_tp1(policy, draft_tp, targets, drafts, tp1):
-    spec = SpecConfig(draft_context_policy=policy, draft_tensor_parallel_size=draft_tp, **SPEC)
+    spec = SpecConfig.from_flat(dict(draft_context_policy=policy, draft_tensor_parallel_size=draft_tp, **SPEC))
     res = generate(targets["llama"], drafts["llama"], PROMPTS, max_new_tokens=32, spec=spec, stop_token_ids=(),
                    mesh=make_mesh(4))
     assert res.tokens == tp1[policy].tokens
@@ -64,8 +64,8 @@ def test_tp4_speculative_generation_is_token_identical_to_tp1(policy, draft_tp, 
 
 def test_tree_mode_at_tp4_is_token_identical_to_tp1(targets, drafts):
     """Tree drafting + tree verification under shard_map (sharded draft, DiffSpec retrieval) equals TP1."""
-    spec = SpecConfig(draft_context_policy="diffspec", diffspec_verification_mode="tree", diffspec_max_tree_nodes=8,
-                      diffspec_tree_topk=3, **SPEC)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_verification_mode="tree", diffspec_max_tree_nodes=8,
+                                     diffspec_tree_topk=3, **SPEC))
     ref = generate(targets["llama"], drafts["llama"], PROMPTS, max_new_tokens=20, spec=spec, stop_token_ids=())
     tp4 = generate(targets["llama"], drafts["llama"], PROMPTS, max_new_tokens=20, spec=spec, stop_token_ids=(),
                    mesh=make_mesh(4))
@@ -75,7 +75,7 @@ def test_tree_mode_at_tp4_is_token_identical_to_tp1(targets, drafts):
 
 
 def test_qwen3_with_equal_vocab_draft_at_tp2_and_data_parallel_replicas(targets, drafts):
-    spec = SpecConfig(draft_context_policy="diffspec", **SPEC)
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", **SPEC))
     ref = generate(targets["qwen3"], drafts["qwen3"], PROMPTS, max_new_tokens=24, spec=spec, stop_token_ids=())
     tp2 = generate(targets["qwen3"], drafts["qwen3"], PROMPTS, max_new_tokens=24, spec=spec, stop_token_ids=(),
                    mesh=make_mesh(2))

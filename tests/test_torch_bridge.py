@@ -317,7 +317,7 @@ def make_runtime(**spec_kw):
     kw = dict(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=32,
               num_speculative_tokens=3, diffspec_retrieval_interval=3)
     kw.update(spec_kw)
-    spec = SpecConfig(**kw)  # Hb = floor((32 - 4) / 4) * 4 = 28, Nmax = 7
+    spec = SpecConfig.from_flat(kw)  # Hb = floor((32 - 4) / 4) * 4 = 28, Nmax = 7
     return tb.DiffspecRuntime(spec, max_slots=3, max_len=96, num_kv_heads=2, head_dim=8,
                               rope=RopeConfig(theta=10000.0), dtype="float32", device="cpu")
 

@@ -272,7 +272,7 @@ def baseline(llama):
 
 @pytest.mark.parametrize("policy", ["full", "diffspec"])
 def test_greedy_tree_output_equals_target_only(policy, llama, drafts, baseline):
-    spec = SpecConfig(draft_context_policy=policy, **TREE, **(SMALL if policy == "diffspec" else {}))
+    spec = SpecConfig.from_flat(dict(draft_context_policy=policy, **TREE, **(SMALL if policy == "diffspec" else {})))
     res = generate(llama, drafts["llama"], PROMPTS, max_new_tokens=NEW, spec=spec, stop_token_ids=())
     assert res.tokens == baseline
     s = res.stats
@@ -288,7 +288,7 @@ def test_greedy_tree_output_equals_target_only(policy, llama, drafts, baseline):
 
 
 def test_tree_sampling_is_seeded_and_adaptive_budget_grows(llama, drafts):
-    spec = SpecConfig(**TREE, diffspec_adaptive_profile=True, diffspec_tree_branching="shallow")
+    spec = SpecConfig.from_flat(dict(**TREE, diffspec_adaptive_profile=True, diffspec_tree_branching="shallow"))
     sampling = SamplingConfig(temperature=0.8, top_k=50)
     runs = [generate(llama, drafts["llama"], PROMPTS, max_new_tokens=40, spec=spec, sampling=sampling, seed=s,
                      stop_token_ids=()) for s in (3, 3, 4)]
@@ -301,8 +301,8 @@ def test_tree_sampling_is_seeded_and_adaptive_budget_grows(llama, drafts):
 def test_adaptive_chain_depth_is_lossless_and_per_sequence(llama, drafts, baseline):
     """Above the long-context threshold the depth starts at (and stays >= ) the long-context depth; the random
     draft is rarely accepted, so no sequence deepens; a batch runs at its largest depth without recompiling."""
-    spec = SpecConfig(num_speculative_tokens=4, diffspec_adaptive_profile=True, diffspec_long_context_threshold=50,
-                      diffspec_long_context_depth=2)
+    spec = SpecConfig.from_flat(dict(num_speculative_tokens=4, diffspec_adaptive_profile=True, diffspec_long_context_threshold=50,
+                                     diffspec_long_context_depth=2))
     res = generate(llama, drafts["llama"], PROMPTS, max_new_tokens=NEW, spec=spec, stop_token_ids=())
     assert res.tokens == baseline
     per = res.stats.drafting["per_sequence"]
@@ -313,19 +313,20 @@ def test_adaptive_chain_depth_is_lossless_and_per_sequence(llama, drafts, baseli
 
 def test_tree_mode_errors(llama, drafts):
     with pytest.raises(ConfigError, match="diffspec_max_tree_nodes must be in"):
-        SpecConfig(num_speculative_tokens=4, diffspec_verification_mode="tree", diffspec_max_tree_nodes=3)
+        SpecConfig.from_flat(dict(num_speculative_tokens=4, diffspec_verification_mode="tree", diffspec_max_tree_nodes=3,
+                                  diffspec_tree_topk=2))
     with pytest.raises(ConfigError, match="diffspec_tree_topk"):
-        SpecConfig(diffspec_verification_mode="tree", diffspec_max_tree_nodes=8, diffspec_tree_topk=9)
+        SpecConfig.from_flat(dict(diffspec_verification_mode="tree", diffspec_max_tree_nodes=8, diffspec_tree_topk=9))
     with pytest.raises(ConfigError, match="draft_sampling='sample' applies to chain mode only"):
-        SpecConfig(diffspec_verification_mode="tree", draft_sampling="sample")
+        SpecConfig.from_flat(dict(diffspec_verification_mode="tree", draft_sampling="sample"))
     with pytest.raises(ConfigError, match="diffspec_verification_mode must be one of"):
-        SpecConfig(diffspec_verification_mode="dag")
+        SpecConfig.from_flat(dict(diffspec_verification_mode="dag"))
     with pytest.raises(ConfigError, match="diffspec_tree_branching"):
-        SpecConfig(diffspec_tree_branching="wide")
+        SpecConfig.from_flat(dict(diffspec_tree_branching="wide"))
     with pytest.raises(ConfigError, match="diffspec_long_context_depth"):
-        SpecConfig(num_speculative_tokens=2, diffspec_long_context_depth=3, diffspec_adaptive_profile=True)
+        SpecConfig.from_flat(dict(num_speculative_tokens=2, diffspec_long_context_depth=3, diffspec_adaptive_profile=True))
     SpecConfig(num_speculative_tokens=1)  # the long-context depth (2) only matters to the adaptive chain depth
     with pytest.raises(ConfigError, match="custom proposer"):
-        generate(llama, None, PROMPTS, max_new_tokens=4, spec=SpecConfig(**TREE), proposer=lambda *a: None)
+        generate(llama, None, PROMPTS, max_new_tokens=4, spec=SpecConfig.from_flat(TREE), proposer=lambda *a: None)
     with pytest.raises(InputError, match="max_tree_nodes"):
-        generate(llama, drafts["llama"], PROMPTS, max_new_tokens=4, spec=SpecConfig(**TREE), max_cache_len=82)
+        generate(llama, drafts["llama"], PROMPTS, max_new_tokens=4, spec=SpecConfig.from_flat(TREE), max_cache_len=82)

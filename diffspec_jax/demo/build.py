@@ -152,8 +152,8 @@ def evaluate(target, draft, prompts_by_case: dict[tuple[str, int], list], new_to
             rows[-1]["copied_fraction"] = copied_fraction(base.tokens, cases)
         print(json.dumps(rows[-1]), flush=True)
         for policy in POLICIES:
-            spec = SpecConfig(num_speculative_tokens=k, draft_context_policy=policy, diffspec_chunk_size=chunk,
-                              diffspec_token_budget=budget)
+            spec = SpecConfig.from_flat(dict(num_speculative_tokens=k, draft_context_policy=policy,
+                                             diffspec_chunk_size=chunk, diffspec_token_budget=budget))
             generate(target, draft, prompts, spec=spec, **kw)
             res = generate(target, draft, prompts, spec=spec, **kw)
             s = res.stats
@@ -301,8 +301,8 @@ def check_settings(args) -> tuple[list[int], list[str]]:
     check_int(args.seed, "--seed", min=0)
     check_choice(args.attention, "--attention", ATTENTION)
     for policy in POLICIES:  # the evaluation's settings
-        SpecConfig(num_speculative_tokens=args.k, draft_context_policy=policy, diffspec_chunk_size=args.chunk,
-                   diffspec_token_budget=args.budget)
+        SpecConfig.from_flat(dict(num_speculative_tokens=args.k, draft_context_policy=policy,
+                                  diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget))
     try:
         contexts = [int(c) for c in args.contexts.split(",")]
     except ValueError:

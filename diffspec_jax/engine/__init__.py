@@ -8,7 +8,10 @@
 * :mod:`~diffspec_jax.engine.verify`: the cycles (draft -> verify -> accept; chain, tree, target alone);
 * :mod:`~diffspec_jax.engine.retrieve`: DiffSpec's chunk scoring and selection;
 * :mod:`~diffspec_jax.engine.loop`: the device loop, a block of cycles in one ``lax.while_loop``;
-* :mod:`~diffspec_jax.engine.compile`: the compiled programs, the persistent compilation cache, capacity buckets;
+* :mod:`~diffspec_jax.engine.compile`: building the compiled programs, the persistent compilation cache, capacity
+  buckets;
+* :mod:`~diffspec_jax.engine.session`: :class:`Session`, the runtime object that keeps compiled programs and
+  prepared (sharded) params between calls;
 * :mod:`~diffspec_jax.engine.controllers`: the host-side retrieval and draft-shape controllers;
 * :mod:`~diffspec_jax.engine.driver`: :func:`generate`, the host side.
 
@@ -53,8 +56,10 @@ from diffspec_jax.engine.loop import (  # noqa: F401
     block_out_specs, loop_specs)
 from diffspec_jax.engine.compile import (  # noqa: F401
     CACHE_MIN_COMPILE_SECS, COMPILATION_CACHE_ENV, _CompileClock, _jax_cache_config_before, _Program, _signature,
-    _spec_tree, capacity_bucket, compilation_cache_setting, compiled, enable_compilation_cache, param_spec_key)
+    _spec_tree, bind, build_programs, capacity_bucket, compilation_cache_setting, enable_compilation_cache,
+    param_spec_key)
+from diffspec_jax.engine.session import Session, compiled, default_session  # noqa: F401
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl  # noqa: F401
 from diffspec_jax.engine.driver import (  # noqa: F401
     DEFAULT_BLOCK_CYCLES, STOP_IDS_MULTIPLE, GenerateResult, GenerateStats, _loop_init, _Output, _put, _replay,
-    _retrieve_after_prefill, _stop_ids, _timed_retrieve, _validate, generate, prepare_params)
+    _retrieve_after_prefill, _stop_ids, _timed_retrieve, _validate, generate)

@@ -1,6 +1,10 @@
-"""Compilation without surprises: the jitted steps of a plan (:func:`compiled`, ``jit(shard_map(...))`` with a
-mesh), their ahead-of-time compiled versions that time compilation apart (:class:`_Program`), JAX's persistent
-compilation cache (:func:`enable_compilation_cache`) and the cache-capacity buckets (:func:`capacity_bucket`)."""
+"""Compilation without surprises: the jitted steps of a plan (:func:`build_programs`; ``jit(shard_map(...))`` with
+a mesh, by :func:`diffspec_jax.sharding.jit_sharded`, the one such builder), traced under the plan's kernel choice
+(:func:`bind`), their ahead-of-time compiled versions that time compilation apart (:class:`_Program`), JAX's
+persistent compilation cache (:func:`enable_compilation_cache`) and the cache-capacity buckets
+(:func:`capacity_bucket`).
+
+Nothing here keeps programs between calls: a :class:`~diffspec_jax.engine.session.Session` holds them."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_deco
 from diffspec_jax.engine.retrieve import _retrieve
 from diffspec_jax.engine.state import Plan, _init_state, state_specs
 from diffspec_jax.engine.verify import _spec_cycle, _target_cycle, _tree_cycle
+from pallas_kernels.common import use_kernels
 
 #: the environment variable naming JAX's persistent compilation cache directory (``0``: leave the cache off)
 COMPILATION_CACHE_ENV = "DIFFSPEC_COMPILATION_CACHE"
@@ -39,6 +44,17 @@ def param_spec_key(params) -> tuple | None:
         return None
     leaves, treedef = jax.tree_util.tree_flatten(params)
     return treedef, tuple(x.sharding.spec for x in leaves)
+
+
+def bind(fn, plan: Plan):
+    """``fn(plan, ...)``, traced under the plan's kernel choice (``plan.kernels``: what every kernel selector of
+    :mod:`pallas_kernels.dispatch` picks inside it)."""
+
+    def bound(*args, **kwargs):
+        with use_kernels(plan.kernels):
+            return fn(plan, *args, **kwargs)
+
+    return functools.wraps(fn)(bound)
 
 
 class _CompileClock:
@@ -64,7 +80,7 @@ class _Program:
 
     Before compiling, the arguments are waited for: the device is then idle, and the wall time of the caller's
     region minus the compile time is exactly its run time (prefill, decode). The executables of the last
-    ``max_entries`` signatures are kept (they live as long as :func:`compiled`'s entry for the plan).
+    ``max_entries`` signatures are kept (they live as long as the session's entry for the plan).
     """
 
     def __init__(self, jitted, max_entries: int = 16):
@@ -89,10 +105,11 @@ class _Program:
         return exe(*args)
 
 
-@functools.lru_cache(maxsize=64)
-def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
-    """The jitted steps of ``plan``: plain ``jit`` without a mesh, ``jit(shard_map(...))`` with one. Cached per
-    plan, so repeated :func:`generate` calls reuse the compilations.
+def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
+    """The jitted steps of ``plan``: plain ``jit`` without a mesh, ``jit(shard_map(...))`` with one (the params
+    laid out as ``tspec_key`` / ``dspec_key`` describe, :func:`param_spec_key`). A
+    :class:`~diffspec_jax.engine.session.Session` keeps them per plan, so repeated :func:`generate` calls reuse the
+    compilations.
 
     ``cycle(tparams, dparams, state, active)`` is the K-deep chain (or target-only) cycle; ``cycle_at(d)`` the
     d-deep chain taking per-sequence depths; ``tree_cycle(tparams, dparams, state, active, caps, budget)`` the tree
@@ -107,12 +124,8 @@ def compiled(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
     row, rows2 = P(dp), P(dp, None)
 
     def make(fn, donate, ins, outs):
-        donate = donate if isinstance(donate, tuple) else (donate,)
-        if plan.mesh is None:
-            return jax.jit(functools.partial(fn, plan), donate_argnums=donate)
-        mapped = jax.shard_map(functools.partial(fn, plan), mesh=plan.mesh, in_specs=ins, out_specs=outs,
-                               check_vma=False)
-        return jax.jit(mapped, donate_argnums=donate)
+        return sharding.jit_sharded(bind(fn, plan), plan.mesh, ins, outs,
+                                    donate if isinstance(donate, tuple) else (donate,))
 
     mesh = plan.mesh is not None
     st = state_specs(plan) if mesh else None

@@ -44,9 +44,9 @@ class _ShapeControl:
     def __init__(self, plan: Plan, lengths: np.ndarray):
         spec, n = plan.spec, len(lengths)
         self.spec = spec
-        self.k, self.nodes = plan.k, spec.diffspec_max_tree_nodes
         self.tree = plan.tree_mode
-        self.adaptive = plan.speculative and spec.diffspec_adaptive_profile
+        self.k, self.nodes = plan.k, spec.verification.max_nodes if self.tree else 0
+        self.adaptive = plan.speculative and spec.verification.adaptive
         self.caps: list = [None] * n
         self.budget: list = [None] * n
         self.depth: list = [None] * n
@@ -58,12 +58,12 @@ class _ShapeControl:
         request)."""
         spec = self.spec
         if self.tree:
-            self.caps[seq] = adaptive.make_caps_controller(spec.diffspec_tree_branching, self.k,
-                                                           spec.diffspec_tree_topk)
-            self.budget[seq] = adaptive.NodeBudget(spec.diffspec_max_tree_nodes, self.k) if self.adaptive else None
+            self.caps[seq] = adaptive.make_caps_controller(spec.verification.branching, self.k,
+                                                           spec.verification.topk)
+            self.budget[seq] = adaptive.NodeBudget(spec.verification.max_nodes, self.k) if self.adaptive else None
         elif self.adaptive:
-            self.depth[seq] = adaptive.AdaptiveDepth(self.k, spec.diffspec_long_context_threshold,
-                                                     spec.diffspec_long_context_depth)
+            self.depth[seq] = adaptive.AdaptiveDepth(self.k, spec.verification.long_context_threshold,
+                                                     spec.verification.long_context_depth)
             self.depth[seq].start(int(length))
 
     def device_depth(self, seqs: np.ndarray) -> dict[str, np.ndarray] | None:

@@ -26,19 +26,19 @@ from tqdm.auto import tqdm
 from diffspec_jax import sharding
 from diffspec_jax.cache import round_capacity
 from diffspec_jax.config import SamplingConfig, SpecConfig
-from diffspec_jax.engine.compile import (_CompileClock, capacity_bucket, compiled, enable_compilation_cache,
-                                         param_spec_key)
+from diffspec_jax.engine.compile import _CompileClock, capacity_bucket, enable_compilation_cache, param_spec_key
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopState, loop_specs
 from diffspec_jax.engine.prefill import _PrefillAcc
 from diffspec_jax.engine.self_draft import SELF, is_self, self_draft_spec
+from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.stopping import FINISH_LENGTH, FINISH_STOP, SequenceText
 from diffspec_jax.validation import check_generate_args, check_text_args
 from diffspec_jax.models import ensure_tree_supported
 from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
-from pallas_kernels import dispatch
+from pallas_kernels.common import use_kernels
 
 #: cycles per device-loop block (``generate(block_cycles=None)``): the host reads results, streams tokens and
 #: updates the progress bar once per block, so streaming latency is at most this many cycles (about 0.1 s at 64K
@@ -157,8 +157,8 @@ def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: Sp
             raise ConfigError(f"vocabulary mismatch: draft vocab_size {draft.config.vocab_size} vs target "
                               f"{target.config.vocab_size}")
         draft.config.resolve_aux_layers(target.config)
-        if spec.draft_context_policy == "diffspec":
-            spec.scoring_layer(target.config)
+        if spec.context.policy == "diffspec":
+            spec.context.layer_for(target.config)
         if spec.tree:
             ensure_tree_supported(target.config)
     return out
@@ -255,13 +255,13 @@ def _stop_rows(plan: Plan, loop: LoopState, rows: np.ndarray, out: _Output) -> L
 
 
 def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-             spec: SpecConfig = SpecConfig(), sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+             spec: SpecConfig | None = None, sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
              stop_token_ids: Sequence[int] | None = None, max_cache_len: int | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, on_tokens: Callable[[int, list[int]], None] | None = None,
              progress: bool = False, proposer: Callable | None = None, mesh: Mesh | None = None,
              block_cycles: int | None = None, stop: Sequence[str] | str | None = None, tokenizer: Any = None,
              skip_special_tokens: bool = True,
-             on_text: Callable[[int, str], None] | None = None) -> GenerateResult:
+             on_text: Callable[[int, str], None] | None = None, session: Session | None = None) -> GenerateResult:
     """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
 
     Args:
@@ -270,7 +270,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             sink chunk always kept) or ``None``.
         prompts: a list of token-id lists (lengths may differ).
         max_new_tokens: exactly this many tokens per prompt unless a stop token comes first.
-        spec: :class:`SpecConfig` (K, draft context policy, DiffSpec settings); ignored without a draft.
+        spec: :class:`SpecConfig` (K, draft context, verification, kernels; default ``SpecConfig()``, built at the
+            call); K and the draft settings are ignored without a draft.
         sampling: :class:`SamplingConfig` (temperature 0 = greedy).
         seed: sampling seed.
         stop_token_ids: generation of a sequence stops after one of these (default: the target's EOS ids;
@@ -299,12 +300,18 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         on_text: called as ``on_text(i, new_text)`` with text of prompt i as it becomes final (incremental
             decoding never splits a character; a tail that could begin a stop string waits for the next block);
             the pieces add up to ``result.texts[i]``. Needs ``tokenizer``.
+        session: the :class:`~diffspec_jax.engine.session.Session` that keeps the compiled programs and prepared
+            params (default: :func:`~diffspec_jax.engine.session.default_session`, shared by every call).
     Returns:
         :class:`GenerateResult` with ``.tokens``, ``.stats``, ``.finish_reasons`` and ``.texts``.
     Raises:
         InputError / ConfigError for bad input (empty prompt, prompt longer than the cache, ...).
     """
     t_call = time.perf_counter()
+    spec = SpecConfig() if spec is None else spec
+    session = default_session() if session is None else session
+    if not isinstance(session, Session):
+        raise ConfigError(f"session must be a diffspec_jax.engine.Session, got {type(session).__name__}")
     self_draft = is_self(draft)
     if isinstance(draft, str) and not self_draft:
         raise ConfigError(f"draft must be a loaded draft (load_draft), {SELF!r} (the target drafts for itself) or "
@@ -328,7 +335,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                           "'tree'")
     k = spec.num_speculative_tokens if speculative else 0
     if spec.tree and speculative:
-        k_block = spec.diffspec_max_tree_nodes  # the tree block occupies max_tree_nodes + 1 cache rows
+        k_block = spec.verification.max_nodes  # the tree block occupies max_tree_nodes + 1 cache rows
     else:
         k_block = k
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -354,12 +361,12 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                 draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
                 aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
-                mesh=mesh, draft_tp=draft_tp, kernels=dispatch.kernel_backend(), self_draft=self_draft)
+                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft)
     enable_compilation_cache()
     stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    tparams, dparams = prepare_params(target, draft, mesh, draft_tp)
-    fns = compiled(plan, param_spec_key(tparams) if mesh is not None else None,
-                   param_spec_key(dparams) if mesh is not None else None)
+    tparams, dparams = session.prepare_params(target, draft, mesh, draft_tp)
+    fns = session.programs(plan, param_spec_key(tparams) if mesh is not None else None,
+                           param_spec_key(dparams) if mesh is not None else None)
     progs = fns.programs
     real = len(prompts)
     if plan.dp > 1 and real % plan.dp:  # pad the batch to a multiple of the data-parallel axis with dummy rows
@@ -368,7 +375,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     batch = len(prompts)
     cycles = block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
     stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
-                          draft_context_policy=spec.draft_context_policy if draft is not None or self_draft
+                          draft_context_policy=spec.context.policy if draft is not None or self_draft
                           else None,
                           verification_mode="tree" if plan.tree_mode else "linear" if speculative else None,
                           block_cycles=int(cycles), cache_capacity=capacity)
@@ -387,7 +394,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     t0 = time.perf_counter()
     ddtype = dparams["fc"].dtype if dparams else target.dtype
     state = progs.init(batch, target.dtype, ddtype)(clock, jax.random.PRNGKey(seed))
-    width, n_chunks = plan_prefill(lengths, prefill_chunk)
+    with use_kernels(plan.kernels):  # the default chunk width depends on the kernels (flash prefill on GPUs)
+        width, n_chunks = plan_prefill(lengths, prefill_chunk)
     tokens = pad_prompts(prompts, width * n_chunks + 1)
     acc = _PrefillAcc(logits=jnp.zeros((batch, tc.vocab_size), jnp.float32),
                       aux=jnp.zeros((batch, max(1, len(plan.aux_layers) * tc.hidden_size)), target.dtype),
@@ -523,15 +531,6 @@ def _replay(rec: CycleRecord, steps: int, rows: np.ndarray, host_len: np.ndarray
             ctl.record(seq, rec.anchors[:, c, r], int(host_len[seq]) - 1, (call_ms or 0.0) / len(due_rows), False)
 
 
-def prepare_params(target: TargetModel, draft, mesh: Mesh | None, draft_tp: int = 1):
-    """Params as the plan needs them: unchanged without a mesh; otherwise in tensor-parallel layout on the mesh
-    (memoised per model and mesh, see :func:`sharding.prepare`)."""
-    if mesh is None:
-        return target.params, draft.params if draft is not None else None
-    tparams = sharding.prepare(target, mesh, sharding.mesh_size(mesh, sharding.TP))
-    return tparams, sharding.prepare(draft, mesh, draft_tp) if draft is not None else None
-
-
 def _timed_retrieve(progs, clock, ctl, tparams, dparams, state, mask, lengths, *, after_prefill):
     """One standalone retrieval for the rows in ``mask``; returns ``(state, wall ms of the call)`` (compile
     excluded) and books it, split over the rows."""
@@ -550,7 +549,7 @@ def _retrieve_after_prefill(plan, progs, clock, ctl, tparams, dparams, state, le
     for no row (nothing changes) when no row retrieves now."""
     b = len(lengths)
     mask = np.zeros(b, bool)
-    if plan.spec.diffspec_retrieve_after_prefill:
+    if plan.spec.context.retrieve_after_prefill:
         mask = np.array([i < real and not ctl.fits(int(lengths[i]) - 1) for i in range(b)])
     else:
         for i in range(real):

@@ -217,7 +217,7 @@ def _depth_observe(plan: Plan, dc: DepthControl, active, m, length) -> DepthCont
     """:meth:`diffspec_jax.adaptive.AdaptiveDepth.observe` for the active rows, in integers: the accepted share
     ``m / depth`` is compared with the decimal thresholds as fractions (exactly what the float test decides)."""
     spec, k = plan.spec, plan.k
-    floor = jnp.where(length >= spec.diffspec_long_context_threshold, spec.diffspec_long_context_depth, k)
+    floor = jnp.where(length >= spec.verification.long_context_threshold, spec.verification.long_context_depth, k)
     gn, gd = ratio(adaptive.DEPTH_GOOD_FRAC)
     bn, bd = ratio(adaptive.DEPTH_BAD_FRAC)
     good_c = m * gd >= gn * dc.depth
@@ -242,18 +242,18 @@ def _cadence_record(plan: Plan, cad: Cadence, due, anchors, root) -> Cadence:
     b, nc = cad.selected.shape
     bidx = jnp.arange(b)[:, None]
     sel = jnp.zeros_like(cad.selected).at[bidx, jnp.where(anchors >= 0, anchors, nc)].set(True, mode="drop")
-    sel = sel.at[bidx[:, 0], root // spec.diffspec_chunk_size].set(True, mode="drop")
+    sel = sel.at[bidx[:, 0], root // spec.context.chunk_size].set(True, mode="drop")
     prev = cad.selected
     inter = jnp.sum(sel & prev, axis=1)
     union = jnp.sum(sel | prev, axis=1)
     jn, jd = ratio(ADAPTIVE_JACCARD)
     stable = jnp.any(prev, axis=1) & (inter * jd >= union * jn)
     interval, prev_sum, prev_n = cad.interval, cad.prev_sum, cad.prev_n
-    if spec.diffspec_adaptive_profile:
+    if spec.context.adaptive:
         an, ad = ratio(ADAPTIVE_ACCEPT_FACTOR)
         holds = (cad.accept_n > 0) & (prev_n > 0) & (cad.accept_sum * prev_n * ad >= an * prev_sum * cad.accept_n)
         grown = jnp.where(stable & holds, jnp.minimum(2 * interval, ADAPTIVE_MAX_INTERVAL),
-                          spec.diffspec_retrieval_interval)
+                          spec.context.retrieval_interval)
         interval = jnp.where(due, grown, interval)
         prev_sum, prev_n = jnp.where(due, cad.accept_sum, prev_sum), jnp.where(due, cad.accept_n, prev_n)
     zero = jnp.zeros_like(cad.since)

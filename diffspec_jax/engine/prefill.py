@@ -50,7 +50,7 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
         ret = state.retrieval
         if ret is not None and ret.chunk_sum is not None:  # entry P-1 is committed later, by the first step 0
             ret = ret.replace(chunk_sum=retrieval.update_chunk_sums(
-                ret.chunk_sum, k, positions, positions < last[:, None], plan.spec.diffspec_chunk_size))
+                ret.chunk_sum, k, positions, positions < last[:, None], plan.spec.context.chunk_size))
             state = state.replace(retrieval=ret)
     if out.score_q is not None:
         acc = acc.replace(score_q=sel(out.score_q[:, 0], acc.score_q), score_lse=sel(out.score_lse[:, 0],

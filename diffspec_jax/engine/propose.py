@@ -42,7 +42,7 @@ def _draft_root(plan: Plan, dparams, state: DecodeState, active):
     if ret is not None and ret.chunk_sum is not None:
         valid = (jnp.arange(k1)[None, :] < state.pend_count[:, None]) & active[:, None]
         ret = ret.replace(chunk_sum=retrieval.update_chunk_sums(ret.chunk_sum, k, positions, valid,
-                                                               spec.diffspec_chunk_size))
+                                                               spec.context.chunk_size))
     root = state.length - 1
     rrow = state.pend_count - 1
     q_r, k_r, v_r, res_r = (_rows(x, rrow)[:, None] for x in (q, k, v, residual))
@@ -50,7 +50,7 @@ def _draft_root(plan: Plan, dparams, state: DecodeState, active):
         ret = ret.replace(draft_q=q_r[:, 0].astype(jnp.float32))
     if spec.uses_working_cache:
         anchors = ret.anchors if plan.diffspec else None
-        idx, n, window = working_cache.history_indices(anchors, root, spec.diffspec_chunk_size,
+        idx, n, window = working_cache.history_indices(anchors, root, spec.context.chunk_size,
                                                        working_cache.history_slots(spec))
         cache = working_cache.gather_rope_write(dc, cache, idx)
         local = n[:, None]
@@ -110,7 +110,7 @@ def draft_propose_tree(plan: Plan, dparams, state: DecodeState, active, caps, bu
         the draft's store or working cache.
     """
     dc, spec, ax = plan.draft, plan.spec, plan.draft_axis
-    depth_max, width, num_nodes = spec.num_speculative_tokens, spec.diffspec_tree_topk, spec.diffspec_max_tree_nodes
+    depth_max, width, num_nodes = spec.num_speculative_tokens, spec.verification.topk, spec.verification.max_nodes
     cache, ret, n, window, local, h2, logits = _draft_root(plan, dparams, state, active)
     b = n.shape[0]
     scale = dc.head_dim ** -0.5
@@ -129,7 +129,7 @@ def draft_propose_tree(plan: Plan, dparams, state: DecodeState, active, caps, bu
     prefix_mask = jnp.broadcast_to(jnp.arange(cache.work_k.shape[1])[None, None, :] <= n[:, None, None],
                                    (b, width, cache.work_k.shape[1]))
     stopped = jnp.zeros((b,), bool)
-    track_mass = spec.diffspec_tree_threshold > 0
+    track_mass = spec.verification.threshold > 0
     mass = _best_mass(pool["score"], budget, num_nodes) if track_mass else None
     pool_size = width
     for d in range(1, depth_max):                                             # run depth d, propose depth d + 1
@@ -155,7 +155,7 @@ def draft_propose_tree(plan: Plan, dparams, state: DecodeState, active, caps, bu
         pool["depth"].append(jnp.full((b, width * width), d + 1, jnp.int32))
         if track_mass:  # stop deeper levels once a level adds too little mass to the kept set
             new_mass = _best_mass(pool["score"], budget, num_nodes)
-            stopped = stopped | (new_mass - mass < spec.diffspec_tree_threshold)
+            stopped = stopped | (new_mass - mass < spec.verification.threshold)
             mass = new_mass
         pick = jnp.argsort(-c_score, axis=1, stable=True)[:, :width]          # the next frontier
         f_score = jnp.take_along_axis(c_score, pick, axis=1)

@@ -15,9 +15,9 @@ from pallas_kernels import dispatch
 def _select_anchors(plan: Plan, tparams, dparams, state: DecodeState) -> jax.Array:
     """Score the chunks of every sequence's context and select its anchors, int32 ``[B, A]`` (``A = Nmax - 1``)."""
     spec, ret = plan.spec, state.retrieval
-    c = spec.diffspec_chunk_size
+    c = spec.context.chunk_size
     root = state.length - 1
-    if spec.diffspec_scorer == "attention":  # each shard sums its query heads; one psum gives identical scores
+    if spec.context.scorer == "attention":  # each shard sums its query heads; one psum gives identical scores
         k_cache = state.target_cache.layer_keys(plan.score_layer)
         scores = dispatch.chunk_scores(ret.score_q, ret.score_lse, k_cache, root, chunk=c)
         if plan.tp_axis is not None:
@@ -32,8 +32,8 @@ def _select_anchors(plan: Plan, tparams, dparams, state: DecodeState) -> jax.Arr
         scores = retrieval.salience_scores(_gather_heads(plan, q, 1), _gather_heads(plan, ret.chunk_sum, 2), root,
                                            c)
     summaries = None if ret.chunk_sum is None else _gather_heads(plan, ret.chunk_sum, 2)
-    return retrieval.select_chunks(scores, root, c, spec.max_chunks, spec.diffspec_keep_sink_chunk,
-                                   spec.diffspec_redundancy_weight, summaries)
+    return retrieval.select_chunks(scores, root, c, spec.max_chunks, spec.context.keep_sink_chunk,
+                                   spec.context.redundancy_weight, summaries)
 
 
 def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):

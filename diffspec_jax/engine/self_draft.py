@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from diffspec_jax import working_set
-from diffspec_jax.config import ModelConfig, SpecConfig
+from diffspec_jax.config import DiffSpec, ModelConfig, SpecConfig
 from diffspec_jax.engine.state import DecodeState, Plan
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.models import family
@@ -48,17 +48,20 @@ def self_draft_spec(spec: SpecConfig, target: ModelConfig) -> SpecConfig:
     """
     if spec.tree:
         raise ConfigError("self-drafting proposes chains: diffspec_verification_mode='tree' needs an EAGLE-3 draft")
-    if spec.draft_context_policy == "full":
+    if not spec.uses_working_cache:
         return spec
-    if spec.draft_context_policy == "diffspec":
-        if spec.diffspec_scorer != "attention" or spec.diffspec_redundancy_weight > 0:
+    if isinstance(spec.context, DiffSpec):
+        if spec.context.needs_summaries:
             raise ConfigError("self-drafting scores chunks with the target's attention: diffspec_scorer='salience' "
                               "and diffspec_redundancy_weight > 0 need an EAGLE-3 draft's keys")
-        spec.scoring_layer(target)
+        spec.context.layer_for(target)
     try:
-        return dataclasses.replace(spec, diffspec_keep_sink_chunk=True)
+        spec.check_history_budget(sink=True)  # the working set always holds the sink chunk
     except ConfigError as exc:
         raise ConfigError(f"self-drafting always keeps the sink chunk: {exc}") from None
+    if isinstance(spec.context, DiffSpec):
+        return spec.replace(context=dataclasses.replace(spec.context, keep_sink_chunk=True))
+    return spec
 
 
 def _choose(plan: Plan, key, logits):
@@ -87,10 +90,10 @@ def self_propose(plan: Plan, tparams, state: DecodeState, active, key, depth: in
     depth = plan.k if depth is None else depth
     tcache, length = state.target_cache, state.length
     ws = None
-    if spec.draft_context_policy == "full":
+    if spec.context.policy == "full":
         cache, start, n, window = tcache, length, length, length
     else:
-        chunk = spec.diffspec_chunk_size
+        chunk = spec.context.chunk_size
         anchors = working_set.effective_anchors(state.retrieval.anchors if plan.diffspec else None, length, chunk,
                                                 spec.max_chunks - 1)
         ws = working_set.refresh(state.draft_cache, tcache, anchors, length, state.pend_count, active, chunk,

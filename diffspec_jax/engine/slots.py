@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from diffspec_jax.cache import HybridCache
-from diffspec_jax.engine.compile import _Program
+from diffspec_jax.engine.compile import _Program, bind
 from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
 from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
 from diffspec_jax.engine.retrieve import _retrieve
@@ -85,7 +85,7 @@ def init_slots(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple[Decod
     zero = jnp.zeros((batch,), jnp.int32)
     cad = depth = None
     if plan.diffspec:
-        cad = Cadence(since=zero, interval=zero + plan.spec.diffspec_retrieval_interval, accept_sum=zero,
+        cad = Cadence(since=zero, interval=zero + plan.spec.context.retrieval_interval, accept_sum=zero,
                       accept_n=zero, prev_sum=zero, prev_n=zero, selected=jnp.zeros((batch, plan.num_chunks), bool))
     if plan.adaptive_depth:
         depth = DepthControl(depth=zero + plan.k, floor=zero + plan.k, good=zero, bad=zero)
@@ -98,7 +98,7 @@ def parked_length(plan: Plan) -> int:
     (``k_block + 1`` rows: K + 1, or a tree's ``max_tree_nodes + 1``) ends at the capacity, so every write and read
     of a masked cycle stays inside the cache, past any prompt (a request needs ``prompt + max_tokens <=
     max_model_len <= capacity - k_block - 1``)."""
-    k_block = plan.spec.diffspec_max_tree_nodes if plan.tree_mode else plan.k
+    k_block = plan.spec.verification.max_nodes if plan.tree_mode else plan.k
     return plan.capacity - k_block - 1
 
 
@@ -182,7 +182,7 @@ def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState
                         limit=_set(loop.limit, slot, limit))
     if loop.cadence is not None:
         zero = jnp.zeros((1,), jnp.int32)
-        fresh = Cadence(since=zero, interval=zero + plan.spec.diffspec_retrieval_interval, accept_sum=zero,
+        fresh = Cadence(since=zero, interval=zero + plan.spec.context.retrieval_interval, accept_sum=zero,
                         accept_n=zero, prev_sum=zero, prev_n=zero,
                         selected=jnp.zeros((1, plan.num_chunks), bool))
         cad = _cadence_record(plan, fresh, retrieve[None], anchors[None], length - 1)
@@ -199,17 +199,16 @@ def slot_release(plan: Plan, loop: LoopState, slot) -> LoopState:
     return loop.replace(done=_set(loop.done, slot, True))
 
 
-@functools.lru_cache(maxsize=16)
 def slot_programs(plan: Plan) -> SimpleNamespace:
     """The ahead-of-time compiled :class:`_Program` of each slot function for ``plan`` (state, loop and the
     prefill accumulator donated): ``reset``, ``prefill`` (``prefill_first``: a prompt's first chunk), ``start``,
-    ``release``. Without a mesh only."""
+    ``release``. Without a mesh only. A :class:`~diffspec_jax.engine.session.Session` keeps them per plan."""
     if plan.mesh is not None:
         raise ConfigError("request slots run on one device: a plan with a mesh (tensor parallelism) is not "
                           "supported by the slot programs yet")
 
     def make(fn, donate):
-        return _Program(jax.jit(functools.partial(fn, plan), donate_argnums=donate))
+        return _Program(jax.jit(bind(fn, plan), donate_argnums=donate))
 
     return SimpleNamespace(reset=make(slot_reset, (0,)), prefill=make(slot_prefill, (2, 3)),
                            prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3)),

@@ -20,6 +20,7 @@ from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecCo
 from diffspec_jax.models import family
 from diffspec_jax.sampling import SamplingRows
 from diffspec_jax.working_cache import DraftCache
+from pallas_kernels.common import resolve_kernels
 
 
 @struct.dataclass
@@ -76,8 +77,13 @@ class Plan:
     proposer: Callable | None = None
     mesh: Mesh | None = None
     draft_tp: int = 1
-    kernels: str = "reference"  # "pallas" or "reference" (pallas_kernels.dispatch), part of the compile key
     self_draft: bool = False  # the target drafts for itself over its working set (engine.self_draft)
+
+    @property
+    def kernels(self) -> str:
+        """``"pallas"`` or ``"reference"``: the spec's kernel choice (``SpecConfig.kernels``) on this device; every
+        program of the plan is traced under it."""
+        return resolve_kernels(self.spec.kernels)
 
     @property
     def tp(self) -> int:
@@ -107,18 +113,19 @@ class Plan:
 
     @property
     def diffspec(self) -> bool:
-        return (self.draft is not None or self.self_draft) and self.spec.draft_context_policy == "diffspec"
+        return (self.draft is not None or self.self_draft) and self.spec.context.policy == "diffspec"
 
     @property
     def score_layer(self) -> int | None:
         """Target layer whose queries/LSE are captured (``diffspec`` with the attention scorer)."""
-        if self.diffspec and self.spec.diffspec_scorer == "attention":
-            return self.spec.scoring_layer(self.target)
+        if self.diffspec and self.spec.context.scorer == "attention":
+            return self.spec.context.layer_for(self.target)
         return None
 
     @property
     def num_chunks(self) -> int:
-        return retrieval.num_chunks(self.capacity, self.spec.diffspec_chunk_size)
+        """Chunks of the target cache (DiffSpec's scoring; 0 without a working cache)."""
+        return retrieval.num_chunks(self.capacity, self.spec.context.chunk_size) if self.spec.uses_working_cache else 0
 
     @property
     def tree_mode(self) -> bool:
@@ -128,12 +135,12 @@ class Plan:
     @property
     def adaptive_depth(self) -> bool:
         """Adaptive chain depth (chain mode with ``diffspec_adaptive_profile``), kept on the device."""
-        return self.speculative and not self.spec.tree and self.spec.diffspec_adaptive_profile
+        return self.speculative and not self.spec.tree and self.spec.verification.adaptive
 
     @property
     def host_shaped(self) -> bool:
         """Tree mode whose branching caps or node budget change between cycles (host controllers)."""
-        return self.tree_mode and (self.spec.diffspec_tree_branching == "hazard" or self.spec.diffspec_adaptive_profile)
+        return self.tree_mode and self.spec.verification.host_shaped
 
     @property
     def records(self) -> bool:
@@ -156,7 +163,7 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) ->
             draft_q=jnp.zeros((batch, dc.num_attention_heads, dc.head_dim) if dc is not None else (batch, 1, 1),
                               jnp.float32),
             chunk_sum=(jnp.zeros((batch, plan.num_chunks, kv_d, dc.head_dim), jnp.float32)
-                       if retrieval.needs_summaries(plan.spec) else None))
+                       if plan.spec.context.needs_summaries else None))
     return DecodeState(
         target_cache=create_cache(tc, batch, plan.capacity, target_dtype, tp=plan.tp),
         draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype, num_kv_heads=kv_d)
@@ -201,7 +208,7 @@ def state_specs(plan: Plan) -> DecodeState:
     if plan.diffspec:
         ret = retrieval.RetrievalState(anchors=P(dp, None), score_q=P(dp, tp, None), score_lse=P(dp, tp),
                                        draft_q=P(dp, dtp, None),
-                                       chunk_sum=dheads if retrieval.needs_summaries(plan.spec) else None)
+                                       chunk_sum=dheads if plan.spec.context.needs_summaries else None)
     return DecodeState(target_cache=family(plan.target).cache_specs(plan.target, dp, tp), draft_cache=dcache,
                        retrieval=ret,
                        length=P(dp), last_token=P(dp), pend_tokens=P(dp, None), pend_feats=P(dp, None, None),

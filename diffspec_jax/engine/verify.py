@@ -125,7 +125,7 @@ def _tree_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, caps, 
         m, path, emitted = verification.tree_greedy_accept(out.logits, t, depth)
     else:
         m, path, emitted = verification.tree_rejection_accept(
-            k_verify, processed_logprobs(out.logits, plan.sampling), t, depth, spec.diffspec_tree_topk)
+            k_verify, processed_logprobs(out.logits, plan.sampling), t, depth, spec.verification.topk)
     m = jnp.where(active, m, 0)
     path = jnp.where(active[:, None], path, jnp.arange(depth + 1, dtype=jnp.int32)[None, :])
     tcache = move_rows(tcache, state.length, path)
@@ -184,7 +184,7 @@ def _tree_accept_rows(plan: Plan, state: DecodeState, active, logits, t):
 
     def sampled():
         s = verification.tree_rejection_accept_rows(keys, processed_logprobs_rows(logits, rows), t, depth,
-                                                    plan.spec.diffspec_tree_topk)
+                                                    plan.spec.verification.topk)
         pick = lambda a, b: jnp.where(rows.greedy.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)  # noqa: E731
         return tuple(pick(a, b) for a, b in zip(g, s))
 

@@ -48,16 +48,16 @@ import jax
 import numpy as np
 
 from diffspec_jax.config import SamplingConfig, SpecConfig
-from diffspec_jax.engine.compile import _CompileClock, _Program, capacity_bucket, compiled, enable_compilation_cache
+from diffspec_jax.engine.compile import _CompileClock, _Program, capacity_bucket, enable_compilation_cache
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
-from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate, prepare_params
-from diffspec_jax.engine.slots import init_slots, new_acc, slot_programs
+from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
+from diffspec_jax.engine.session import Session, default_session
+from diffspec_jax.engine.slots import init_slots, new_acc
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
 from diffspec_jax.sampling import seed_key
 from diffspec_jax.target import REFERENCE_PREFILL_CHUNK, TargetModel, check_token_ids
 from diffspec_jax.validation import check_bool, check_int, check_real
-from pallas_kernels import dispatch
 
 #: stop ids per request (the target's EOS ids included): a static width, so no stop set recompiles anything
 MAX_STOP_IDS = 16
@@ -232,16 +232,21 @@ class SlotEngine:
 
     Args:
         target, draft: loaded models (``draft=None``: the target alone).
-        spec: :class:`SpecConfig` (K, policy, DiffSpec settings).
+        spec: :class:`SpecConfig` (K, draft context, verification, kernels; default ``SpecConfig()``).
         config: :class:`EngineConfig`.
         eos_token_ids: the ids that end every request unless it asks ``ignore_eos`` (default: the target
             config's EOS ids).
+        session: the :class:`~diffspec_jax.engine.session.Session` holding the compiled programs (default: the
+            process's :func:`~diffspec_jax.engine.session.default_session`).
     """
 
-    def __init__(self, target: TargetModel, draft=None, spec: SpecConfig = SpecConfig(),
-                 config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] | None = None):
+    def __init__(self, target: TargetModel, draft=None, spec: SpecConfig | None = None,
+                 config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] | None = None,
+                 session: Session | None = None):
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
+        spec = SpecConfig() if spec is None else spec
+        self.session = session = default_session() if session is None else session
         _validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
         if spec.draft_sampling != "argmax":
             raise ConfigError(f"draft_sampling={spec.draft_sampling!r}: request slots draft by argmax (each slot "
@@ -250,7 +255,7 @@ class SlotEngine:
         self.target, self.draft, self.spec, self.config = target, draft, spec, config
         speculative = draft is not None
         k = spec.num_speculative_tokens if speculative else 0
-        k_block = spec.diffspec_max_tree_nodes if speculative and spec.tree else k
+        k_block = spec.verification.max_nodes if speculative and spec.tree else k
         self.max_model_len = config.max_model_len or min(tc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > tc.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the target's context window "
@@ -261,7 +266,7 @@ class SlotEngine:
         self.plan = plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                                 draft=draft.config if speculative else None, spec=spec,
                                 sampling=SamplingConfig(), aux_layers=draft.aux_layers if speculative else (),
-                                capacity=capacity, kernels=dispatch.kernel_backend())
+                                capacity=capacity)
         self.num_slots = b = config.max_num_seqs
         width = config.prefill_chunk or (GPU_PREFILL_CHUNK if jax.default_backend() == "gpu"
                                          else REFERENCE_PREFILL_CHUNK)
@@ -274,11 +279,11 @@ class SlotEngine:
             raise ConfigError(f"{len(self.eos)} EOS ids; at most {MAX_STOP_IDS} stop ids fit a slot")
         check_token_ids(list(self.eos) or [0], tc.vocab_size, "eos_token_ids")
         enable_compilation_cache()
-        self.tparams, self.dparams = prepare_params(target, draft, None)
+        self.tparams, self.dparams = session.prepare_params(target, draft, None)
         ddtype = self.dparams["fc"].dtype if self.dparams else target.dtype
         self.clock = _CompileClock()
-        self._progs = slot_programs(plan)
-        self._block = compiled(plan).programs.block(int(self.block_cycles))
+        self._progs = session.slot_programs(plan)
+        self._block = session.programs(plan).programs.block(int(self.block_cycles))
         self._init = _Program(jax.jit(lambda: init_slots(plan, b, target.dtype, ddtype)))
         self._acc = _Program(jax.jit(lambda: new_acc(plan, target.dtype)))
         self._ctl = _RetrievalControl(spec, b) if plan.diffspec else None
@@ -410,7 +415,7 @@ class SlotEngine:
     @property
     def policy(self) -> str:
         """The drafting policy, as metrics label it: ``target-only`` or the draft context policy."""
-        return self.spec.draft_context_policy if self.draft is not None else "target-only"
+        return self.spec.context.policy if self.draft is not None else "target-only"
 
     # ----------------------------------------------------------------------------------------- engine thread
     def _bump(self, key: str, n: int = 1) -> None:
@@ -597,7 +602,7 @@ class SlotEngine:
         self._stopsets[slot] = frozenset(stops)
         self._stops[slot] = -1
         self._stops[slot, :len(stops)] = sorted(stops)
-        retrieve = bool(plan.diffspec and self.spec.diffspec_retrieve_after_prefill and not self._ctl.fits(n - 1))
+        retrieve = bool(plan.diffspec and self.spec.context.retrieve_after_prefill and not self._ctl.fits(n - 1))
         self._shape.reset(slot, n)
         depth = floor = plan.k
         if plan.adaptive_depth:
@@ -649,7 +654,7 @@ class SlotEngine:
             if retrieve:
                 self._ctl.record(slot, anchors, len(req.prompt_ids) - 1, 0.0, True)
                 self._bump("retrievals", 1)
-            elif not self.spec.diffspec_retrieve_after_prefill:
+            elif not self.spec.context.retrieve_after_prefill:
                 self._ctl.skip_prefill(slot)
         req.first_token_at = time.monotonic()
         self._bump("prompt_tokens", len(req.prompt_ids))

@@ -97,9 +97,9 @@ class DiffspecRuntime:
                  device: str | torch.device | None = None):
         if not isinstance(spec, SpecConfig):
             raise BridgeError(f"spec must be a diffspec_jax.SpecConfig, got {type(spec).__name__}")
-        if spec.draft_context_policy != "diffspec":
+        if spec.context.policy != "diffspec":
             raise BridgeError(f"the torch bridge runtime implements draft_context_policy='diffspec', got "
-                              f"{spec.draft_context_policy!r}")
+                              f"{spec.context.policy!r}")
         for name, value in (("max_slots", max_slots), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -110,10 +110,10 @@ class DiffspecRuntime:
         self.dtype = resolve_dtype(dtype)
         self.max_slots, self.max_len = int(max_slots), int(max_len)
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
-        self.chunk = spec.diffspec_chunk_size
+        self.chunk = spec.context.chunk_size
         self.history_budget = spec.history_budget
         self.max_chunks = spec.max_chunks
-        self.capacity = spec.diffspec_token_budget
+        self.capacity = spec.context.token_budget
         self.inv_freq = torch.as_tensor(self.rope.inv_freq(self.head_dim), device=self.device)
         shape = (self.max_slots, self.max_len + 1, self.num_kv_heads, self.head_dim)  # row max_len: scratch
         self._store_k = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -123,7 +123,7 @@ class DiffspecRuntime:
         self._work_v = torch.zeros(wshape, dtype=self.dtype, device=self.device)
         self._anchors = torch.full((self.max_slots, self.max_chunks - 1), -1, dtype=torch.int32, device=self.device)
         self._chunk_sum = None
-        if spec.diffspec_scorer == "salience" or spec.diffspec_redundancy_weight > 0:
+        if spec.context.needs_summaries:
             self._chunk_sum = torch.zeros((self.max_slots, ops.num_chunks(self.max_len, self.chunk),
                                            self.num_kv_heads, self.head_dim), dtype=torch.float32,
                                           device=self.device)
@@ -288,7 +288,7 @@ class DiffspecRuntime:
         """
         slots = self._slot_list(request_ids, "on_prefill_done")
         roots = self._roots(root, len(slots), "on_prefill_done")
-        if not self.spec.diffspec_retrieve_after_prefill:
+        if not self.spec.context.retrieve_after_prefill:
             for s in slots:
                 self._ctl.skip_prefill(s)
             return [False] * len(slots)
@@ -318,7 +318,7 @@ class DiffspecRuntime:
             emitted = [int(e) for e in (emitted.tolist() if isinstance(emitted, torch.Tensor) else emitted)]
             if len(emitted) != len(slots):
                 raise BridgeInputError(f"on_verify: emitted has {len(emitted)} entries for a batch of {len(slots)}")
-        elif self.spec.diffspec_adaptive_profile:
+        elif self.spec.context.adaptive:
             raise BridgeInputError("on_verify: diffspec_adaptive_profile needs emitted (tokens per cycle, m + 1)")
         due = []
         for i, s in enumerate(slots):
@@ -347,7 +347,7 @@ class DiffspecRuntime:
         ridx = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         root_d = torch.as_tensor([roots[i] for i in rows], dtype=torch.int64, device=self.device)
         dslots = torch.as_tensor([slots[i] for i in rows], dtype=torch.int64, device=self.device)
-        if self.spec.diffspec_scorer == "attention":
+        if self.spec.context.scorer == "attention":
             scores = self._attention_scores(what, b, ridx, root_d, query, lse, keys)
         else:
             if not isinstance(draft_query, torch.Tensor) or draft_query.dim() != 3 or draft_query.shape[0] != b:
@@ -356,14 +356,14 @@ class DiffspecRuntime:
             scores = ops.salience_scores(draft_query.to(self.device)[ridx], self._chunk_sum[dslots], root_d,
                                          self.chunk)
         summaries = None
-        if self._chunk_sum is not None and self.spec.diffspec_redundancy_weight > 0:
+        if self._chunk_sum is not None and self.spec.context.redundancy_weight > 0:
             summaries = self._chunk_sum[dslots]
             nc = scores.shape[1]
             if summaries.shape[1] < nc:  # the scoring K cache is longer than the store: no keys past max_len
                 summaries = torch.nn.functional.pad(summaries, (0, 0, 0, 0, 0, nc - summaries.shape[1]))
             summaries = summaries[:, :nc]
-        anchors = ops.select_chunks(scores, root_d, self.chunk, self.max_chunks, self.spec.diffspec_keep_sink_chunk,
-                                    self.spec.diffspec_redundancy_weight, summaries)
+        anchors = ops.select_chunks(scores, root_d, self.chunk, self.max_chunks, self.spec.context.keep_sink_chunk,
+                                    self.spec.context.redundancy_weight, summaries)
         self._anchors[dslots] = anchors
         host = anchors.cpu().numpy()
         ms = (time.perf_counter() - t0) * 1e3 / len(rows)
