@@ -23,7 +23,7 @@ install-test: $(PY)
 	$(PY) -m pip install -q -e ".[test,serve]"
 
 test: install-test
-	$(PY) -m pytest -q -n auto --dist loadfile tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto --dist worksteal tests $(PYTEST_ARGS)
 
 demo: install
 	$(PY) -m diffspec_jax.generate
