@@ -376,3 +376,15 @@ def test_long_context_plot_of_a_committed_result(tmp_path, monkeypatch):
     assert [t.get_text() for t in ratio.get_xticklabels()] == ["8K", "32K", "64K"]
     prefill = fig.axes[0]  # log scale with plain-number ticks
     assert prefill.get_yscale() == "log" and len(prefill.get_yticks()) >= 3
+
+
+def test_flash_prefill_quick(tmp_path):
+    """The prefill-attention comparison runs and writes its rows (on a CPU only the dense stand-in runs)."""
+    from benchmarks import flash_prefill
+
+    out = tmp_path / "fp.json"
+    assert flash_prefill.main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    row = data["results"][0]
+    assert row["impl"] == "cudnn_lse" and row["median_s"] > 0 and row["rel_err_out"] == 0.0
+    assert row["flops"] == 2 * 1 * 4 * 64 * 128 * 128 and data["matmul_peak"]["flops_per_s"] > 0
