@@ -10,7 +10,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("DIFFSPEC_COMPILATION_CACHE", "0")  # tests that need the persistent cache point it at a tmp dir
+if "DIFFSPEC_COMPILATION_CACHE" not in os.environ:
+    # the engine's persistent compilation cache, in a directory of this test process's own (one per xdist worker;
+    # removed at exit): a program one test compiled loads in the next test that builds it (about a fifth off the
+    # engine-heavy modules' time). Never the user's ~/.cache. Tests of the cache itself point it elsewhere.
+    import atexit
+    import shutil
+    import tempfile
+
+    _jax_cache = tempfile.mkdtemp(prefix=f"diffspec-tests-jax-cache-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
+    atexit.register(shutil.rmtree, _jax_cache, True)
+    os.environ["DIFFSPEC_COMPILATION_CACHE"] = _jax_cache
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
