@@ -105,7 +105,9 @@ def test_paired_fails_on_a_mismatch(tiny_pair, tmp_path, monkeypatch):
 
     monkeypatch.setattr(paired, "run_method", broken)
     out = tmp_path / "paired.json"
-    assert paired.main(paired_args(tiny_pair, out)) == 1
+    args = paired_args(tiny_pair, out)
+    args[args.index("--contexts") + 1] = "64"
+    assert paired.main(args + ["--methods", "target,diffspec", "--repeats", "1", "--no-warmup"]) == 1
     data = json.loads(out.read_text())
     assert data["passed_equality"] is False
     assert data["cases"][0]["mismatches"]["diffspec"][0]["first_divergence"] == 3
