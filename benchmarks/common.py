@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -142,6 +143,12 @@ def log_yticks(ax, most: int = 8) -> None:
 def reference_line(ax, label: str = "1.0x (no gain)") -> None:
     """The 1.0x line of a speedup or ratio axis."""
     ax.axhline(1.0, color="black", lw=0.8, ls="--", label=label)
+
+
+def rel_err(a, b) -> float:
+    """Relative Frobenius error of ``a`` against ``b`` (both cast to float32)."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def matmul_peak(n: int = 8192, repeats: int = 7) -> dict[str, float]:

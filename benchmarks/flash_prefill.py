@@ -14,8 +14,9 @@ causally to itself, timed on the device (calls chained inside one jitted loop, s
 
 each checked against ``cudnn_lse`` on the same inputs (relative error of the output), and reported as TFLOP/s
 (``2 * B * Hq * D * T^2`` for causal attention) beside the fraction of the bf16 matmul peak measured in the same
-run. Implementations a machine cannot run (no GPU, not Hopper, a compile failure) are reported with their error.
-``--quick`` runs a tiny shape on any backend (a smoke test; timings mean nothing there).
+run. Implementations a GPU cannot run (not Hopper, a compile failure) are reported with their error; off GPUs only
+``cudnn_lse`` runs, as the dense stand-in of :func:`~diffspec_jax.models.attention.flash_causal`. ``--quick`` runs a
+tiny shape (a smoke test; timings mean nothing there).
 """
 
 from __future__ import annotations
@@ -31,14 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, time_device, write_json  # noqa: E402
-from diffspec_jax.models.attention import causal_block_mask, flash_causal  # noqa: E402
-from diffspec_jax.models.layers import attention_dense  # noqa: E402
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+from benchmarks.common import environment, matmul_peak, rel_err, time_device, write_json  # noqa: E402
+from diffspec_jax.models.attention import flash_causal  # noqa: E402
 
 
 def _mosaic(q, k, v, scale, *, lse, block_kv):
@@ -53,30 +48,17 @@ def _mosaic(q, k, v, scale, *, lse, block_kv):
     return out.astype(q.dtype), jnp.swapaxes(lse2, 1, 2) * np.float32(np.log(2.0))
 
 
-def implementations(scale: float, quick: bool) -> dict:
+def implementations(scale: float) -> dict:
     """name -> fn(q, k, v) returning ``out`` or ``(out, lse [B, T, Hq])``."""
-    impls = {}
-    if quick and jax.default_backend() != "gpu":
-        impls["cudnn_lse"] = lambda q, k, v: attention_dense(q, k, v, causal_block_mask(q.shape[0], q.shape[1]),
-                                                              scale)
+    impls = {"cudnn_lse": lambda q, k, v: flash_causal(q, k, v, scale)}  # off GPUs: its dense stand-in
+    if jax.default_backend() != "gpu":
         return impls
-    impls["cudnn_lse"] = lambda q, k, v: flash_causal(q, k, v, scale)
     impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                                   implementation="cudnn")
     for bkv in (128, 64):
         impls[f"mosaic_lse_kv{bkv}"] = functools.partial(_mosaic, scale=scale, lse=True, block_kv=bkv)
         impls[f"mosaic_kv{bkv}"] = functools.partial(_mosaic, scale=scale, lse=False, block_kv=bkv)
     return impls
-
-
-def matmul_peak(quick: bool) -> dict:
-    n = 256 if quick else 8192
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-
-    def step(x):
-        return (x @ a).astype(jnp.bfloat16) * jnp.bfloat16(1e-2)
-    t = time_device(step, a, iters=2 if quick else 20, repeats=2 if quick else 5)
-    return {"shape": n, "flops_per_s": 2 * n ** 3 / t["median_s"], **t}
 
 
 def bench(b, t, hq, hkv, d, quick) -> list[dict]:
@@ -88,16 +70,16 @@ def bench(b, t, hq, hkv, d, quick) -> list[dict]:
     scale = d ** -0.5
     flops = 2 * b * hq * d * t * t
     rows, want = [], None
-    for name, fn in implementations(scale, quick).items():
+    for name, fn in implementations(scale).items():
         row = {"impl": name, "batch": b, "tokens": t, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "flops": flops}
         try:
             got = jax.jit(fn)(q, k, v)
             out = got[0] if isinstance(got, tuple) else got
             if want is None:
                 want = got
-            row["rel_err_out"] = _rel(out, want[0])
+            row["rel_err_out"] = rel_err(out, want[0])
             if isinstance(got, tuple):
-                row["rel_err_lse"] = _rel(got[1], want[1])
+                row["rel_err_lse"] = rel_err(got[1], want[1])
 
             def step(carry, fn=fn):
                 q_, acc = carry
@@ -125,8 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     env = environment(sys.argv)
-    peak = matmul_peak(args.quick)
-    print(f"bf16 matmul peak {peak['flops_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
+    peak = matmul_peak(256, 2) if args.quick else matmul_peak()
+    print(f"bf16 matmul peak {peak['flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
     shapes = [(1, 128, 4, 2, 64)] if args.quick else [
         (b, t, 32, 8, 128) for b in (int(x) for x in args.batches.split(",")) for t in
@@ -134,7 +116,7 @@ def main(argv=None) -> int:
     for b, t, hq, hkv, d in shapes:  # the JSON is rewritten after every shape: a cut-off run keeps what it measured
         for r in bench(b, t, hq, hkv, d, args.quick):
             if "tflops" in r:
-                r["fraction_of_matmul_peak"] = r["tflops"] * 1e12 / peak["flops_per_s"]
+                r["fraction_of_matmul_peak"] = r["tflops"] * 1e12 / peak["flop_per_s"]
             rows.append(r)
         write_json(args.out, {"benchmark": "causal flash attention of a prompt over itself", "environment": env,
                               "matmul_peak": peak, "results": rows, "quick": args.quick})

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import copy_bandwidth, environment, time_device, write_json  # noqa: E402
+from benchmarks.common import copy_bandwidth, environment, rel_err, time_device, write_json  # noqa: E402
 from diffspec_jax.models.layers import attention_prefix, rope_cos_sin  # noqa: E402
 from diffspec_jax.retrieval import head_sum_scores  # noqa: E402
 from diffspec_jax.working_cache import draft_attention_reference, gather_rope_write_reference  # noqa: E402
@@ -43,11 +43,6 @@ from pallas_kernels.gather_rope_write import gather_rope_write  # noqa: E402
 
 BF16 = jnp.bfloat16
 KERNELS = ("gather_rope_write", "chunk_scores", "draft_attention", "cache_attention")
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _timed(make_step, inputs, quick):
@@ -71,7 +66,7 @@ def bench_gather(b, s, n, w, hkv, d, sets, quick):
     sk, sv, wk, wv, idx = inputs[0]
     got = jax.jit(gather_rope_write)(sk, sv, jnp.full_like(wk, jnp.nan), jnp.full_like(wv, jnp.nan), idx, cos, sin)
     want = jax.jit(gather_rope_write_reference)(sk, sv, wk, wv, idx, cos, sin)
-    err = max(_rel(got[0][:, :n], want[0][:, :n]), _rel(got[1][:, :n], want[1][:, :n]))
+    err = max(rel_err(got[0][:, :n], want[0][:, :n]), rel_err(got[1][:, :n], want[1][:, :n]))
     assert np.isfinite(np.asarray(got[0][:, :n], np.float32)).all(), "unwritten working-cache rows"
 
     def step_of(fn):
@@ -118,7 +113,7 @@ def bench_scores(b, s, hq, hkv, d, chunk, sets, quick):
     ref = functools.partial(head_sum_scores, chunk=chunk)
     pal = functools.partial(chunk_scores, chunk=chunk)
     with jax.default_matmul_precision("highest"):
-        err = _rel(jax.jit(pal)(*inputs[0]), jax.jit(ref)(*inputs[0]))
+        err = rel_err(jax.jit(pal)(*inputs[0]), jax.jit(ref)(*inputs[0]))
     t_ref = _timed(_chained(ref, 0), inputs, quick)
     t_pal = _timed(_chained(pal, 0), inputs, quick)
     nbytes = b * s * hkv * d * 2
@@ -139,7 +134,7 @@ def bench_attention(b, t, w, hq, hkv, d, sets, quick):
     scale = d ** -0.5
     ref = functools.partial(draft_attention_reference, scale=scale)
     pal = functools.partial(draft_attention, scale=scale)
-    err = _rel(jax.jit(pal)(*inputs[0]), jax.jit(ref)(*inputs[0]))
+    err = rel_err(jax.jit(pal)(*inputs[0]), jax.jit(ref)(*inputs[0]))
     t_ref = _timed(_chained(ref, 0), inputs, quick)
     t_pal = _timed(_chained(pal, 0), inputs, quick)
     nbytes = 2 * b * w * hkv * d * 2 + 2 * b * t * hq * d * 2
@@ -173,7 +168,7 @@ def bench_cache(b, t, s, hq, hkv, d, sets, quick, options=None):
     ref = functools.partial(attention_prefix, scale=scale)
     pal = functools.partial(cache_attention, scale=scale, **options)
     got, want = jax.jit(pal)(*inputs[0]), jax.jit(ref)(*inputs[0])
-    err = max(_rel(got[0], want[0]), _rel(got[1], want[1]))
+    err = max(rel_err(got[0], want[0]), rel_err(got[1], want[1]))
     t_ref = _timed(_chained(both(ref), 0), inputs, quick)
     t_pal = _timed(_chained(both(pal), 0), inputs, quick)
     nbytes = 2 * b * hkv * length * d * 2  # the visible K and V rows, read once (bf16)

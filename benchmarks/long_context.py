@@ -1145,7 +1145,7 @@ def main(argv=None) -> int:
         row["hbm_floor_s"] = row["decode_step_bytes"] / bw["bytes_per_s"]
         row["decode_step_over_floor"] = row["target_decode_step_s"] / row["hbm_floor_s"]
         row["wall_seconds"] = time.perf_counter() - t0
-        if args.prefill and not recheck and (args.prefill_batches is None or b in prefill_batches) and not any(
+        if args.prefill and not recheck and (not prefill_batches or b in prefill_batches) and not any(
                 (r["context"], r["batch"]) == (ctx, b) for r in payload["prefill"]):
             gc.collect()
             try:

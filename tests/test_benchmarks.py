@@ -389,4 +389,4 @@ def test_flash_prefill_quick(tmp_path):
     data = json.loads(out.read_text())
     row = data["results"][0]
     assert row["impl"] == "cudnn_lse" and row["median_s"] > 0 and row["rel_err_out"] == 0.0
-    assert row["flops"] == 2 * 1 * 4 * 64 * 128 * 128 and data["matmul_peak"]["flops_per_s"] > 0
+    assert row["flops"] == 2 * 1 * 4 * 64 * 128 * 128 and data["matmul_peak"]["flop_per_s"] > 0
