@@ -505,12 +505,16 @@ def _bytes(out, tc, ctx, batch):
 
 
 def prefill_flops(tc, ctx: int, batch: int) -> dict[str, float]:
-    """FLOPs of a causal prefill of ``batch`` prompts of ``ctx`` tokens: the layers' matrix products (2 x their
-    weights x tokens; the LM head runs on the last row only) and attention (QK^T and PV over the causal half)."""
-    embed = tc.vocab_size * tc.hidden_size
-    lm_head = 0 if tc.tie_word_embeddings else embed
-    linear = 2 * (tc.num_parameters - embed - lm_head) * ctx * batch
-    attention = 4 * tc.num_hidden_layers * tc.num_attention_heads * tc.head_dim * batch * ctx * (ctx + 1) / 2
+    """FLOPs a causal prefill of ``batch`` prompts of ``ctx`` tokens needs for its one output row per prompt:
+    every layer's matrix products over every token (2 x weights x tokens) and causal attention (QK^T and PV over
+    the causal half), except the last layer, which needs the K/V projections of every token but its query, output
+    projection, MLP and attention for the output row alone (what :func:`diffspec_jax.models.llama.step` computes),
+    and the LM head on that row."""
+    h, i, d = tc.hidden_size, tc.intermediate_size, tc.head_dim
+    hq, hkv, n = tc.num_attention_heads, tc.num_key_value_heads, tc.num_hidden_layers
+    kv, rest = 2 * h * hkv * d, 2 * h * hq * d + 3 * h * i   # K/V projections; q + o projections and the MLP
+    linear = 2 * batch * ((n - 1) * ctx * (kv + rest) + ctx * kv + rest + h * tc.vocab_size)
+    attention = 4 * hq * d * batch * ((n - 1) * ctx * (ctx + 1) / 2 + ctx)
     return {"linear": float(linear), "attention": float(attention), "total": float(linear + attention)}
 
 

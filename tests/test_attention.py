@@ -93,3 +93,56 @@ def test_prefill_plan():
         with use_kernels("pallas"):
             assert default_prefill_chunk(1) == 131072 and default_prefill_chunk(8) == 16384
             assert plan_prefill([65536]) == (65536, 1)
+
+
+@pytest.mark.parametrize("qk_norm, fused", [(False, True), (True, False)])
+def test_prefill_last_layer_at_the_output_row_only(qk_norm, fused):
+    """A prefill chunk with one output row per sequence runs its last layer at that row alone: the logits, the
+    scoring query and log-sum-exp at the row, and every layer's written K/V match the full chunk (the same step
+    asked for two rows, which runs every layer at every row), for both kernel paths; ragged starts (one prompt
+    already holds a prefix), a first chunk, Llama (fused projections) and Qwen3 (q/k norms, separate ones)."""
+    from diffspec_jax.cache import KVCache
+    from diffspec_jax.config import ModelConfig, RopeConfig
+    from diffspec_jax.models import llama
+
+    cfg = ModelConfig(architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM", vocab_size=97,
+                      hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                      rope=RopeConfig(theta=10000.0))
+    rng = np.random.default_rng(5 + qk_norm)
+    params = llama.init_params(cfg, seed=int(rng.integers(1 << 30)), scale=0.2)
+    if fused:
+        params = llama.fuse_projections(cfg, params)
+    t = DENSE_ATTENTION_MAX_TOKENS + 32
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, t)), jnp.int32)
+    last = cfg.num_hidden_layers - 1
+
+    def step(start, rows, first):
+        cache = KVCache.create(cfg, 2, 256, jnp.float32)
+        cache = cache.replace(k=tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in cache.k),
+                              v=tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in cache.v))
+        fn = jax.jit(lambda c, s, r: llama.step(cfg, params, c, tokens, s, r, score_layer=last, first_chunk=first))
+        return fn(cache, jnp.asarray(start, jnp.int32), jnp.asarray(rows, jnp.int32))
+
+    def flops(r):  # the one-row step does less work: its last layer skips the chunk's other rows
+        cache = KVCache.create(cfg, 2, 256, jnp.float32)
+        fn = jax.jit(lambda c, s, r: llama.step(cfg, params, c, tokens, s, r, score_layer=last))
+        cost = fn.lower(cache, jnp.zeros((2,), jnp.int32), jnp.zeros((2, r), jnp.int32)).compile().cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    assert flops(1) < 0.9 * flops(2)
+    for backend in ("reference", "pallas"):
+        for start, first in (((0, 40), False), ((0, 0), True)):
+            seed = int(rng.integers(1 << 30))
+            rows = rng.integers(0, t, (2, 1))
+            with use_kernels(backend):
+                rng = np.random.default_rng(seed)  # the same random cache contents for both calls
+                one, c1 = step(start, rows, first)
+                rng = np.random.default_rng(seed)
+                two, c2 = step(start, np.concatenate([rows, rows], axis=1), first)
+            np.testing.assert_allclose(one.logits[:, 0], two.logits[:, 0], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(one.score_q[:, 0], two.score_q[:, 0], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(one.score_lse[:, 0], two.score_lse[:, 0], rtol=1e-4, atol=1e-4)
+            for a, b in zip(c1.k + c1.v, c2.k + c2.v):  # the last layer's K/V from its own products: rounding
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+            rng = np.random.default_rng(seed + 1)

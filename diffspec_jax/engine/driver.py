@@ -133,7 +133,8 @@ class GenerateResult:
 
 
 def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: SpecConfig,
-              sampling: SamplingConfig, block_cycles) -> list[list[int]]:
+              sampling: SamplingConfig, block_cycles) -> list[np.ndarray]:
+    """Check the arguments :func:`generate` shares with the server; returns the prompts as int32 arrays."""
     if not isinstance(spec, SpecConfig):
         raise ConfigError(f"spec must be a SpecConfig, got {type(spec).__name__}")
     if not isinstance(sampling, SamplingConfig):
@@ -151,7 +152,7 @@ def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: Sp
             raise InputError(f"prompt {i} is text; pass token ids (tokenize first)")
         if len(p) == 0:
             raise InputError(f"prompt {i} is empty; every prompt needs at least one token")
-        out.append([int(t) for t in check_token_ids(p, target.config.vocab_size, f"prompt {i}")])
+        out.append(check_token_ids(p, target.config.vocab_size, f"prompt {i}"))  # int32 [T]: no per-token Python
     if draft is not None:
         if draft.config.vocab_size != target.config.vocab_size:
             raise ConfigError(f"vocabulary mismatch: draft vocab_size {draft.config.vocab_size} vs target "

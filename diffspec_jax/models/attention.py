@@ -108,6 +108,20 @@ def flash_causal(q, k, v, scale):
     return out, jnp.swapaxes(lse, 1, 2).astype(jnp.float32)
 
 
+def write_block(k: jax.Array, v: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, *,
+                prefix: bool = True) -> tuple[jax.Array, jax.Array]:
+    """A step's new K/V ``[B, T, Hkv, D]`` written into the layer's ``[B, Hkv, S, D]`` buffers at rows
+    ``start .. start + T - 1`` (rows past the buffer are dropped). ``prefix=False`` (static) promises ``start == 0``
+    for every row (a prompt's first prefill chunk): one in-place slice update instead of a scatter."""
+    t = k.shape[1]
+    if not prefix and t <= k_buf.shape[2]:
+        kb = jax.lax.dynamic_update_slice_in_dim(k_buf, jnp.swapaxes(k, 1, 2).astype(k_buf.dtype), 0, axis=2)
+        vb = jax.lax.dynamic_update_slice_in_dim(v_buf, jnp.swapaxes(v, 1, 2).astype(v_buf.dtype), 0, axis=2)
+        return kb, vb
+    slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+    return write_rows(k_buf, k, slots, heads_first=True), write_rows(v_buf, v, slots, heads_first=True)
+
+
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, v_buf: jax.Array,
                     start: jax.Array, scale: float, *, positions: jax.Array | None = None,
                     block_mask: jax.Array | None = None, prefix: bool = True):
@@ -130,12 +144,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
     b, t = q.shape[:2]
     slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     positions = slots if positions is None else positions
-    if not prefix and t <= k_buf.shape[2]:  # a first chunk fills rows 0..T-1: one in-place slice update
-        kb = jax.lax.dynamic_update_slice_in_dim(k_buf, jnp.swapaxes(k, 1, 2).astype(k_buf.dtype), 0, axis=2)
-        vb = jax.lax.dynamic_update_slice_in_dim(v_buf, jnp.swapaxes(v, 1, 2).astype(v_buf.dtype), 0, axis=2)
-    else:
-        kb = write_rows(k_buf, k, slots, heads_first=True)
-        vb = write_rows(v_buf, v, slots, heads_first=True)
+    kb, vb = write_block(k, v, k_buf, v_buf, start, prefix=prefix)
     dense = t <= DENSE_ATTENTION_MAX_TOKENS
     if not dense and block_mask is not None:
         raise ValueError(f"a block of {t} > {DENSE_ATTENTION_MAX_TOKENS} tokens must be causal (prefill)")

@@ -30,7 +30,8 @@ from flax import struct
 
 from diffspec_jax.cache import KVCache
 from diffspec_jax.config import ModelConfig
-from diffspec_jax.models.attention import DENSE_ATTENTION_MAX_TOKENS, cache_attention  # noqa: F401 (re-exported)
+from diffspec_jax.models.attention import (DENSE_ATTENTION_MAX_TOKENS, cache_attention,  # noqa: F401 (re-exported)
+                                           run_cache_attention, write_block)
 from diffspec_jax.models import params as tables
 from diffspec_jax.models.layers import (
     apply_rope, attention_dense, causal_mask, embed_lookup, gather_vocab, rms_norm, rope_cos_sin, swiglu,
@@ -184,6 +185,24 @@ def _project_qkv(lp: Params, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Ar
     return y[:, :, :, : g2 - 2].reshape(b, t, hkv * (g2 - 2), d), y[:, :, :, g2 - 2], y[:, :, :, g2 - 1]
 
 
+def _project_q(lp: Params, h: jax.Array) -> jax.Array:
+    """``h [B, T, H]`` -> q ``[B, T, Hq, D]`` alone (fused or separate weights)."""
+    if "wqkv" not in lp:
+        return jnp.einsum("bth,hnd->btnd", h, lp["wq"])
+    w = lp["wqkv"]
+    y = jnp.einsum("bth,hkjd->btkjd", h, w[:, :, : w.shape[2] - 2])
+    return y.reshape(*y.shape[:2], -1, y.shape[-1])
+
+
+def _project_kv(lp: Params, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``h [B, T, H]`` -> k and v ``[B, T, Hkv, D]`` alone (fused or separate weights)."""
+    if "wqkv" not in lp:
+        return tuple(jnp.einsum("bth,hnd->btnd", h, lp[n]) for n in ("wk", "wv"))
+    w = lp["wqkv"]
+    y = jnp.einsum("bth,hkjd->btkjd", h, w[:, :, w.shape[2] - 2:])
+    return y[:, :, :, 0], y[:, :, :, 1]
+
+
 def mlp(lp: Params, x: jax.Array) -> jax.Array:
     """The SwiGLU MLP of a layer (fused ``w_gate_up`` or separate ``w_gate`` / ``w_up``)."""
     if "w_gate_up" not in lp:
@@ -208,6 +227,37 @@ def _attention_block(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.Arr
     if axis_name is not None:
         o = jax.lax.psum(o, axis_name)
     return x + o, q, lse
+
+
+def _last_layer_at_rows(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                        rows: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, scale: float, *,
+                        prefix: bool, axis_name: str | None):
+    """The last layer of a prefill chunk whose one output row per sequence (``rows [B, 1]``, the prompt's last
+    position) is all that leaves the model: every token's K and V are written into the cache, but the query,
+    attention, output projection and MLP run for that row alone (the rest of the chunk's rows would feed no
+    later layer). At 64K tokens on an H200 that is one layer's flash attention and MLP, about 3% of the prefill.
+
+    The row attends to cache rows ``0 .. start + rows`` (its causal prefix, the chunk's rows before it included)
+    through the decode kernel (:func:`~diffspec_jax.models.attention.run_cache_attention`).
+
+    Returns ``(x at the rows [B, 1, H] (after the layer), its rotated query [B, 1, Hq, D], its lse [B, 1, Hq],
+    k_buf, v_buf)``.
+    """
+    eps = config.rms_norm_eps
+    h = rms_norm(x, lp["attn_norm"], eps)
+    k, v = _project_kv(lp, h)
+    at = lambda a: jnp.take_along_axis(a, rows[:, :, None], axis=1)  # noqa: E731 - [B, T, ...] -> [B, 1, ...]
+    q = _project_q(lp, at(h))
+    if config.qk_norm:
+        q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
+    q = apply_rope(q, at(cos), at(sin), interleaved=config.rope.interleaved)
+    k = apply_rope(k, cos, sin, interleaved=config.rope.interleaved)
+    kb, vb = write_block(k, v, k_buf, v_buf, start, prefix=prefix)
+    out, lse = run_cache_attention(q, kb, vb, (start + rows[:, 0] + 1).astype(jnp.int32), scale=scale)
+    o = jnp.einsum("btnd,ndh->bth", out, lp["wo"])
+    if axis_name is not None:
+        o = jax.lax.psum(o, axis_name)
+    return _mlp_block(config, lp, at(x) + o, axis_name), q, lse, kb, vb
 
 
 def _mlp_block(config: ModelConfig, lp: Params, x: jax.Array, axis_name: str | None) -> jax.Array:
@@ -296,6 +346,9 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
             with ``tree``.
     Returns:
         ``(StepOutput, updated cache)``. Positions ``>= capacity`` are not written (and must not be queried).
+
+    A prefill chunk (more than ``DENSE_ATTENTION_MAX_TOKENS`` tokens) with one row per sequence runs its last layer
+    at that row only (:func:`_last_layer_at_rows`); every token's K/V is still written.
     """
     b, t = tokens.shape
     positions = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -309,9 +362,20 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
     x = embed_lookup(params["embed"], tokens, axis_name)
     aux, new_k, new_v = [], [], []
     score_q = score_lse = None
+    # a prefill chunk needs its last layer at the output rows only (decode, verification and trees need every row)
+    rows_only = t > DENSE_ATTENTION_MAX_TOKENS and rows.shape[1] == 1 and tree is None and rope_positions is None
+    last = len(params["layers"]) - 1
     for i, lp in enumerate(params["layers"]):
         aux.extend((j, x) for j, a in enumerate(aux_layers) if a == i)
         k_buf, v_buf = cache.k[i], cache.v[i]
+        if rows_only and i == last:
+            x, q, lse, kb, vb = _last_layer_at_rows(config, lp, x, cos, sin, rows, k_buf, v_buf, start, scale,
+                                                    prefix=not first_chunk, axis_name=axis_name)
+            new_k.append(kb)
+            new_v.append(vb)
+            if i == score_layer:
+                score_q, score_lse = q.astype(jnp.float32), lse
+            continue
 
         def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
             out, kb, vb = cache_attention(q, k, v, k_buf, v_buf, start, scale, positions=positions,
@@ -325,7 +389,8 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
             score_q = jnp.take_along_axis(q.astype(jnp.float32), rows[:, :, None, None], axis=1)
             score_lse = jnp.take_along_axis(lse, rows[:, :, None], axis=1)
         x = _mlp_block(config, lp, x, axis_name)
-    logits = _lm_head(config, params, jnp.take_along_axis(x, rows[:, :, None], axis=1), axis_name)
+    logits = _lm_head(config, params, x if rows_only else jnp.take_along_axis(x, rows[:, :, None], axis=1),
+                      axis_name)
     aux_out = concat_aux(aux, aux_layers, len(params["layers"]))
     return StepOutput(logits=logits, aux=aux_out, score_q=score_q, score_lse=score_lse), KVCache(
         k=tuple(new_k), v=tuple(new_v))
