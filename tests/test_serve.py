@@ -151,10 +151,15 @@ def test_engine_isolates_a_failing_request(pair, prompts):
         def finish(self):
             return "", []
 
+    import gc
+
     target, draft, _ = pair
     engine = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk=CHUNK))
+    frozen = gc.get_freeze_count()
     engine.start()
     try:
+        # the warm-up's heap is out of the collector's generations (full collections then stay short while serving)
+        assert gc.get_freeze_count() > frozen
         events = [[] for _ in range(4)]
         n_new = (100, 10, 10, 10)  # the first decodes while the third's prompt is prefilled into the freed slot
         reqs = [Request(p, SamplingParams(max_tokens=n_new[j], ignore_eos=True), events[j].append,
