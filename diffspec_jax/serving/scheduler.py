@@ -343,7 +343,7 @@ class SlotEngine:
         if warmup:
             self._warmup()
         # what compiling left on the heap (hundreds of thousands of long-lived objects) leaves the collector's view:
-        # a full collection over it took 100-150 ms, a stall of every stream whenever one ran while serving
+        # a full collection over it took 90-150 ms on a development CPU, holding the GIL: every stream waits
         gc.collect()
         gc.freeze()
         self.warmup_compiles, self.warmup_xla_compiles = self.compiles, self.xla_compiles
