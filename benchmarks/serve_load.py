@@ -201,6 +201,9 @@ def run_load(url: str, prompts, args, ids_text: bool) -> dict:
                                                       if k.startswith("diffspec_mean_acceptance_length")), None)
     out["metrics"]["retrievals"] = sum(v - before.get(k, 0.0) for k, v in after.items()
                                        if k.startswith("diffspec_retrievals_total"))
+    for key in ("gc_full_collections_total", "gc_pause_seconds_total"):  # during the load
+        out["metrics"][key] = after.get(f"diffspec_{key}", 0.0) - before.get(f"diffspec_{key}", 0.0)
+    out["metrics"]["gc_pause_seconds_max"] = after.get("diffspec_gc_pause_seconds_max")
     return out
 
 

@@ -158,8 +158,14 @@ def test_engine_isolates_a_failing_request(pair, prompts):
     frozen = gc.get_freeze_count()
     engine.start()
     try:
-        # the warm-up's heap is out of the collector's generations (full collections then stay short while serving)
+        # the warm-up's heap is out of the collector's generations (full collections then stay short while serving),
+        # and the collections that do run are counted and timed
         assert gc.get_freeze_count() > frozen
+        full = engine.metrics()["gc_full_collections"]
+        gc.collect()
+        m = engine.metrics()
+        assert m["gc_full_collections"] >= full + 1
+        assert 0 < m["gc_pause_max_s"] <= m["gc_pause_s"]
         events = [[] for _ in range(4)]
         n_new = (100, 10, 10, 10)  # the first decodes while the third's prompt is prefilled into the freed slot
         reqs = [Request(p, SamplingParams(max_tokens=n_new[j], ignore_eos=True), events[j].append,

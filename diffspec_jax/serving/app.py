@@ -306,6 +306,11 @@ def prometheus_text(m: dict[str, Any], http_errors: dict[int, int]) -> str:
         gauge("compiles_after_warmup", "engine programs compiled after warm-up (0 when nothing recompiles)",
               m["compiles_after_warmup"]),
         gauge("xla_compiles_after_warmup", "XLA compilations after warm-up", m["xla_compiles_after_warmup"]),
+        counter("gc_full_collections", "full (generation 2) garbage collections after warm-up",
+                m["gc_full_collections"]),
+        counter("gc_pause_seconds", "seconds of garbage-collection pauses after warm-up (the GIL held)",
+                m["gc_pause_s"]),
+        gauge("gc_pause_seconds_max", "longest garbage-collection pause after warm-up", m["gc_pause_max_s"]),
         gauge("engine_healthy", "1 while the engine runs", 1.0 if m["healthy"] else 0.0),
     ]
     finished = CounterMetricFamily("diffspec_requests_finished", "finished requests by finish reason",

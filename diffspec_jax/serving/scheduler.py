@@ -320,6 +320,9 @@ class SlotEngine:
         self.warmup_compiles: int | None = None
         self.warmup_xla_compiles: int | None = None
         self.counters = collections.Counter()
+        #: garbage collections while serving (after warm-up): full (generation 2) ones, seconds paused, longest pause
+        self.gc_full_collections, self.gc_pause_s, self.gc_pause_max_s = 0, 0.0, 0.0
+        self._gc_started: float | None = None
         self._state = self._loop = None
 
     # ------------------------------------------------------------------------------------------- public API
@@ -346,6 +349,7 @@ class SlotEngine:
         # a full collection over it took 90-150 ms on a development CPU, holding the GIL: every stream waits
         gc.collect()
         gc.freeze()
+        gc.callbacks.append(self._on_gc)
         self.warmup_compiles, self.warmup_xla_compiles = self.compiles, self.xla_compiles
         self._thread = threading.Thread(target=self._run, name="diffspec-slot-engine", daemon=True)
         self._thread.start()
@@ -360,6 +364,8 @@ class SlotEngine:
             self._thread.join(timeout)
         if self._listening:
             jax.monitoring.unregister_event_duration_listener(self._on_event)
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
             self._listening = False
 
     def submit(self, req: Request) -> None:
@@ -421,6 +427,8 @@ class SlotEngine:
                 "xla_compiles": self.xla_compiles,
                 "compiles_after_warmup": self.compiles - (self.warmup_compiles or 0),
                 "xla_compiles_after_warmup": self.xla_compiles - (self.warmup_xla_compiles or 0),
+                "gc_full_collections": self.gc_full_collections, "gc_pause_s": self.gc_pause_s,
+                "gc_pause_max_s": self.gc_pause_max_s,
                 "healthy": self.error is None and self.ready.is_set() and not self._stopping, **{
                     f"total_{k}": v for k, v in c.items()}}
 
@@ -437,6 +445,16 @@ class SlotEngine:
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
         if event == _BACKEND_COMPILE_EVENT:
             self.xla_compiles += 1
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """``gc.callbacks`` hook: every collection holds the GIL, so its pause delays every stream."""
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started is not None:
+            pause, self._gc_started = time.perf_counter() - self._gc_started, None
+            self.gc_pause_s += pause
+            self.gc_pause_max_s = max(self.gc_pause_max_s, pause)
+            self.gc_full_collections += info.get("generation") == 2
 
     def _warmup(self) -> None:
         """Compile every program: a throw-away request through admission and decoding (each block program holds
