@@ -146,3 +146,34 @@ def test_prefill_last_layer_at_the_output_row_only(qk_norm, fused):
             for a, b in zip(c1.k + c1.v, c2.k + c2.v):  # the last layer's K/V from its own products: rounding
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
             rng = np.random.default_rng(seed + 1)
+
+
+def test_tpu_prefill_runs_on_splash_attention(monkeypatch):
+    """On a TPU, prefill chunks run on JAX's splash attention whatever the kernel choice (here interpreted on the
+    CPU, the TPU check patched): a first chunk (causal over itself) and a chunk after ragged prefixes (one of them
+    empty) match the reference path; a chunk width off the splash block keeps the reference."""
+    import diffspec_jax.models.attention as A
+
+    rng = np.random.default_rng(23)
+    q, k, v, kb, vb = _inputs(rng, 3, 128, 4, 2, 512, d=128)
+    cases = [(jnp.zeros((3,), jnp.int32), False), (jnp.asarray([0, 128, 37], jnp.int32), True)]
+    want = [_run_prefix("reference", q, k, v, kb, vb, s, prefix) for s, prefix in cases]
+    calls = []
+    real = A._splash
+    monkeypatch.setattr(A, "_on_tpu", lambda: True)
+    monkeypatch.setattr(A, "_splash", lambda *a, **kw: calls.append(kw.get("kv_start") is not None) or real(*a, **kw))
+    for (start, prefix), ref in zip(cases, want):
+        got = _run_prefix("reference", q, k, v, kb, vb, start, prefix)
+        for a, r in zip(got, ref):
+            np.testing.assert_allclose(a, r, **TOL)
+    assert calls == [False, False, True]  # the first chunk: causal only; then causal + the prefix, merged
+    calls.clear()
+    _run_prefix("reference", q[:, :96], k[:, :96], v[:, :96], kb, vb, cases[1][0], True)
+    assert calls == []
+
+
+def _run_prefix(backend, q, k, v, kb, vb, start, prefix):
+    fn = jax.jit(lambda *a: cache_attention(*a, 0.25, prefix=prefix))
+    with use_kernels(backend):
+        (out, lse), kb2, _ = fn(q, k, v, kb, vb, start)
+    return np.asarray(out, np.float32), np.asarray(lse), np.asarray(kb2, np.float32)

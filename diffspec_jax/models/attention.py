@@ -20,6 +20,10 @@ computes exactly that and picks how:
   of size ``[T, S]`` is ever built.
 * On a CPU with ``DIFFSPEC_KERNELS=pallas`` the fast path runs with the Pallas kernel interpreted and XLA in
   place of cuDNN, so its decomposition and merge are tested without a GPU.
+* On a TPU, prefill chunks whose width and cache capacity are whole multiples of :data:`SPLASH_BLOCK` take the
+  same decomposition on JAX's splash attention (:func:`_splash`: causal over the block, segment ids for the
+  prefix), whatever the kernel choice; decode and verification keep the reference there (the Pallas kernels
+  are Triton ones). Tests run it interpreted on a CPU; no TPU has run it yet.
 
 cuDNN flash attention needs bfloat16 or float16 operands; float32 prefill on a GPU keeps the tiled XLA loop.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
 from diffspec_jax.cache import ATTENTION_TILE, write_rows
 from diffspec_jax.models.layers import NEG_INF, attention_dense, attention_prefix, attention_tiled, merge_attention
@@ -85,10 +90,56 @@ def _cudnn(q, k, v, *, scale, layout, mask, q_len=None, kv_len=None):
                                        qkv_layout=layout, return_residual=True)
 
 
+#: query and key rows per splash-attention block (TPU prefill): chunk widths and cache capacities must divide by it
+SPLASH_BLOCK = 128
+
+
+def _on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
+def _splash_ok(q: jax.Array, s_len: int) -> bool:
+    """Splash attention (JAX's Pallas TPU flash kernel) serves this prefill chunk: a TPU, and a chunk width and a
+    key length in whole :data:`SPLASH_BLOCK` blocks."""
+    return _on_tpu() and q.shape[1] % SPLASH_BLOCK == 0 and s_len % SPLASH_BLOCK == 0
+
+
+def _splash(q, k, v, scale, *, kv_start=None):
+    """GQA through splash attention: q ``[B, T, Hq, D]``, k and v ``[B, Hkv, S, D]`` (heads first). ``kv_start``
+    ``None``: causal attention of the block over itself (``S == T``); else int32 ``[B]``: every query sees key rows
+    ``0 .. kv_start[b] - 1`` (the committed prefix, by segment ids). Returns ``(out [B, T, Hq, D], lse float32
+    [B, T, Hq])``, natural log-sum-exp of the scaled logits. Compiled on a TPU, interpreted elsewhere (tests)."""
+    b, t, hq, d = q.shape
+    hkv, s_len = k.shape[1], k.shape[2]
+    g = hq // hkv
+    shape = (t, s_len)
+    head_mask = sa.CausalMask(shape) if kv_start is None else sa.FullMask(shape)
+    blocks = sa.BlockSizes(block_q=SPLASH_BLOCK, block_kv=SPLASH_BLOCK, block_kv_compute=SPLASH_BLOCK)
+    kernel = sa.make_splash_mqa_single_device(sa.MultiHeadMask([head_mask] * g), block_sizes=blocks,
+                                              save_residuals=True, interpret=jax.default_backend() != "tpu")
+    qg = jnp.transpose((q * scale).astype(q.dtype).reshape(b, t, hkv, g, d), (0, 2, 3, 1, 4))  # [B, Hkv, G, T, D]
+    if kv_start is None:
+        run = jax.vmap(jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv)))
+        out, (lse,) = run(qg, k, v)
+    else:
+        seg_q = jnp.zeros((b, t), jnp.int32)
+        seg_kv = (jnp.arange(s_len, dtype=jnp.int32)[None, :] >= kv_start[:, None]).astype(jnp.int32)
+        per_head = lambda qq, kk, vv, sq, skv: kernel(qq, kk, vv, segment_ids=sa.SegmentIds(sq, skv))  # noqa: E731
+        run = jax.vmap(jax.vmap(per_head, in_axes=(0, 0, 0, None, None)))
+        out, (lse,) = run(qg, k, v, seg_q, seg_kv)
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, hq, d)
+    return out.astype(q.dtype), jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq).astype(jnp.float32)
+
+
 def flash_prefix(q, k_buf, v_buf, start, scale):
     """Prefill queries ``[B, T, Hq, D]`` over the first ``start[b]`` rows of ``[B, Hkv, S, D]`` buffers.
     Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``; an empty prefix gives 0 and NEG_INF. Without cuDNN
-    (CPUs only: :func:`cache_attention` keeps float32 GPU prefill on the tiled loop) the dense reference runs."""
+    (CPUs only: :func:`cache_attention` keeps float32 GPU prefill on the tiled loop) the dense reference runs; on a
+    TPU, splash attention."""
+    if _splash_ok(q, k_buf.shape[2]):
+        out, lse = _splash(q, k_buf, v_buf, scale, kv_start=start.astype(jnp.int32))
+        empty = (start <= 0)[:, None, None]
+        return jnp.where(empty[..., None], jnp.zeros((), out.dtype), out), jnp.where(empty, NEG_INF, lse)
     if not _cudnn_ok(q):
         return attention_prefix(q, k_buf, v_buf, start, scale)
     b, t = q.shape[:2]
@@ -101,7 +152,9 @@ def flash_prefix(q, k_buf, v_buf, start, scale):
 
 def flash_causal(q, k, v, scale):
     """Causal attention of a block over itself: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (row i sees rows
-    ``0..i``). Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``."""
+    ``0..i``). Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``. cuDNN on GPUs, splash attention on TPUs."""
+    if _splash_ok(q, k.shape[1]):
+        return _splash(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), scale)
     if not _cudnn_ok(q):
         return attention_dense(q, k, v, causal_block_mask(q.shape[0], q.shape[1]), scale)
     out, lse = _cudnn(q, k, v, scale=scale, layout="BTNH", mask="causal")
@@ -148,9 +201,11 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
     dense = t <= DENSE_ATTENTION_MAX_TOKENS
     if not dense and block_mask is not None:
         raise ValueError(f"a block of {t} > {DENSE_ATTENTION_MAX_TOKENS} tokens must be causal (prefill)")
-    # the flash prefill needs cuDNN (GPU, bf16/fp16); on a CPU its XLA stand-ins run (tests of the decomposition)
+    # the flash prefill needs cuDNN (GPU, bf16/fp16); on a CPU its XLA stand-ins run (tests of the decomposition);
+    # a TPU runs its prefill chunks on splash attention whatever the kernel choice (the Pallas kernels are GPU ones)
+    splash = not dense and _splash_ok(q, kb.shape[2])
     flash = dense or _cudnn_ok(q) or jax.default_backend() != "gpu"
-    if not fast_path() or not flash:
+    if not (fast_path() or splash) or not flash:
         if dense:
             mask = full_mask(start, causal_block_mask(b, t) if block_mask is None else block_mask, kb.shape[2])
             return attention_dense(q, kb, vb, mask, scale, heads_first=True), kb, vb
