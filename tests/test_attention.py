@@ -24,8 +24,8 @@ def full_float32_matmuls():
         yield
 
 
-def _run(backend, q, k, v, kb, vb, start, block_mask=None):
-    fn = jax.jit(lambda *a: cache_attention(*a, 0.25, block_mask=block_mask))  # traced per backend
+def _run(backend, q, k, v, kb, vb, start, block_mask=None, prefix=True):
+    fn = jax.jit(lambda *a: cache_attention(*a, 0.25, block_mask=block_mask, prefix=prefix))  # traced per backend
     with use_kernels(backend):
         (out, lse), kb2, vb2 = fn(q, k, v, kb, vb, start)
     return np.asarray(out, np.float32), np.asarray(lse), np.asarray(kb2, np.float32)
@@ -158,23 +158,16 @@ def test_tpu_prefill_runs_on_splash_attention(monkeypatch):
     rng = np.random.default_rng(23)
     q, k, v, kb, vb = _inputs(rng, 3, 128, 4, 2, 512, d=128)
     cases = [(jnp.zeros((3,), jnp.int32), False), (jnp.asarray([0, 128, 37], jnp.int32), True)]
-    want = [_run_prefix("reference", q, k, v, kb, vb, s, prefix) for s, prefix in cases]
+    want = [_run("reference", q, k, v, kb, vb, s, prefix=prefix) for s, prefix in cases]
     calls = []
     real = A._splash
     monkeypatch.setattr(A, "_on_tpu", lambda: True)
     monkeypatch.setattr(A, "_splash", lambda *a, **kw: calls.append(kw.get("kv_start") is not None) or real(*a, **kw))
     for (start, prefix), ref in zip(cases, want):
-        got = _run_prefix("reference", q, k, v, kb, vb, start, prefix)
+        got = _run("reference", q, k, v, kb, vb, start, prefix=prefix)
         for a, r in zip(got, ref):
             np.testing.assert_allclose(a, r, **TOL)
     assert calls == [False, False, True]  # the first chunk: causal only; then causal + the prefix, merged
     calls.clear()
-    _run_prefix("reference", q[:, :96], k[:, :96], v[:, :96], kb, vb, cases[1][0], True)
+    _run("reference", q[:, :96], k[:, :96], v[:, :96], kb, vb, cases[1][0])
     assert calls == []
-
-
-def _run_prefix(backend, q, k, v, kb, vb, start, prefix):
-    fn = jax.jit(lambda *a: cache_attention(*a, 0.25, prefix=prefix))
-    with use_kernels(backend):
-        (out, lse), kb2, _ = fn(q, k, v, kb, vb, start)
-    return np.asarray(out, np.float32), np.asarray(lse), np.asarray(kb2, np.float32)

@@ -115,8 +115,9 @@ def _splash(q, k, v, scale, *, kv_start=None):
     shape = (t, s_len)
     head_mask = sa.CausalMask(shape) if kv_start is None else sa.FullMask(shape)
     blocks = sa.BlockSizes(block_q=SPLASH_BLOCK, block_kv=SPLASH_BLOCK, block_kv_compute=SPLASH_BLOCK)
+    interpret = jax.default_backend() != "tpu"  # the device itself (tests patch _on_tpu)
     kernel = sa.make_splash_mqa_single_device(sa.MultiHeadMask([head_mask] * g), block_sizes=blocks,
-                                              save_residuals=True, interpret=jax.default_backend() != "tpu")
+                                              save_residuals=True, interpret=interpret)
     qg = jnp.transpose((q * scale).astype(q.dtype).reshape(b, t, hkv, g, d), (0, 2, 3, 1, 4))  # [B, Hkv, G, T, D]
     if kv_start is None:
         run = jax.vmap(jax.vmap(lambda qq, kk, vv: kernel(qq, kk, vv)))
@@ -138,14 +139,13 @@ def flash_prefix(q, k_buf, v_buf, start, scale):
     TPU, splash attention."""
     if _splash_ok(q, k_buf.shape[2]):
         out, lse = _splash(q, k_buf, v_buf, scale, kv_start=start.astype(jnp.int32))
-        empty = (start <= 0)[:, None, None]
-        return jnp.where(empty[..., None], jnp.zeros((), out.dtype), out), jnp.where(empty, NEG_INF, lse)
-    if not _cudnn_ok(q):
+    elif _cudnn_ok(q):
+        b, t = q.shape[:2]
+        out, lse = _cudnn(jnp.swapaxes(q, 1, 2), k_buf, v_buf, scale=scale, layout="BNTH", mask="padding",
+                          q_len=jnp.full((b,), t, jnp.int32), kv_len=start.astype(jnp.int32))
+        out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2).astype(jnp.float32)
+    else:
         return attention_prefix(q, k_buf, v_buf, start, scale)
-    b, t = q.shape[:2]
-    out, lse = _cudnn(jnp.swapaxes(q, 1, 2), k_buf, v_buf, scale=scale, layout="BNTH", mask="padding",
-                      q_len=jnp.full((b,), t, jnp.int32), kv_len=start.astype(jnp.int32))
-    out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2).astype(jnp.float32)
     empty = (start <= 0)[:, None, None]
     return jnp.where(empty[..., None], jnp.zeros((), out.dtype), out), jnp.where(empty, NEG_INF, lse)
 

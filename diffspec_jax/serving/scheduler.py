@@ -72,8 +72,6 @@ DEFAULT_MAX_MODEL_LEN = 4096
 #: prefill chunk width on GPUs (CPUs: ``REFERENCE_PREFILL_CHUNK``): long enough for an efficient prefill, short
 #: enough that a chunk interleaved between two decode blocks does not stall the running requests for long
 GPU_PREFILL_CHUNK = 2048
-#: blocks in flight ahead of the one the host reads (as ``generate()``)
-AHEAD = 2
 #: prefill chunks in flight while a wave forms (the host waits for the oldest before it dispatches another)
 PREFILL_AHEAD = 2
 #: seconds the engine waits for a message while a wave's last chunks finish on the device
@@ -301,7 +299,6 @@ class SlotEngine:
         self._waiting: collections.deque[Request] = collections.deque()
         self._inbox: queue.Queue = queue.Queue()
         self._pending: collections.deque = collections.deque()
-        self._in_flight = 0
         self._admissions: dict[int, _Admission] = {}  # slot -> its prompt being prefilled
         self._forming = False  # a wave forms: admitted while no slot decodes; its slots start together
         self._starting: list[_Admission] = []  # the wave's prefilled admissions, waiting for the rest of it
@@ -510,15 +507,14 @@ class SlotEngine:
 
     def _step(self) -> None:
         """One iteration: take messages, expire timeouts, admit waiting requests into the free slots, prefill (a
-        wave's chunks, or the chunks allowed between two blocks), one block, then read the results that are
-        ready (and wait for the oldest when nothing was dispatched or the blocks in flight are at
-        :data:`AHEAD`)."""
+        wave's chunks, or the chunks allowed between two blocks), one block (reading everything dispatched before
+        it), then read the results that are ready (and wait for the oldest when nothing was dispatched)."""
         settling = self._forming and not self._admissions  # a wave's last chunks run on the device
         self._take_messages(block=self._idle() or settling, timeout=WAVE_POLL_S if settling else 0.1)
         self._expire()
         self._admit()
         did = self._prefill()
-        if self._in_flight < AHEAD and not self._forming and self._decoding():
+        if not self._forming and self._decoding():
             self._dispatch_block()
             did = True
             # everything dispatched before this block is read now: one block behind, never two (module docstring)
@@ -526,7 +522,7 @@ class SlotEngine:
             while self._pending[0] is not newest:
                 self._read_one()
         self._read_ready()
-        if self._pending and (not did or self._in_flight >= AHEAD):
+        if self._pending and not did:
             self._read_one()
 
     def _take_messages(self, block: bool, timeout: float = 0.1) -> None:
@@ -656,7 +652,6 @@ class SlotEngine:
         owners = [r if r is not None and r.phase == "decode" else None for r in self.slots]
         self._state, self._loop, res = self._block(self.clock, self.tparams, self.dparams, self._state, self._loop,
                                                    self._stops.copy(), caps, budget)
-        self._in_flight += 1
         self._chunks_since_block = 0
         self._bump("blocks", 1)
         self._pending.append(("block", res, owners))
@@ -675,7 +670,6 @@ class SlotEngine:
             self._started(req, slot, int(first), anchors, retrieve)
         else:
             _, res, owners = item
-            self._in_flight -= 1
             self._read_block(jax.device_get(res), owners)
 
     def _current(self, req: Request | None, slot: int) -> bool:
