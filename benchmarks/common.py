@@ -140,9 +140,19 @@ def log_yticks(ax, most: int = 8) -> None:
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
 
 
-def reference_line(ax, label: str = "1.0x (no gain)") -> None:
-    """The 1.0x line of a speedup or ratio axis."""
-    ax.axhline(1.0, color="black", lw=0.8, ls="--", label=label)
+def reference_line(ax, label: str = "1.0x (no gain)", y: float = 1.0) -> None:
+    """The 1.0x line of a speedup or ratio axis (or the ``y`` line of a difference axis)."""
+    ax.axhline(y, color="black", lw=0.8, ls="--", label=label)
+
+
+def save_figure(fig, path: str | Path) -> str:
+    """Lay out, write (120 dpi) and close a matplotlib figure; returns the file name for the JSON's ``figure``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path).name
 
 
 def rel_err(a, b) -> float:

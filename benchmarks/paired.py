@@ -17,6 +17,9 @@ one warm-up of each, repeats are interleaved ABBA (A B C D, D C B A, ...) so dri
 output of every method must equal ``target``'s: a mismatch fails the run (exit status 1), unless
 ``--tie-tolerance`` is given, in which case a divergence is accepted only at a numerical near-tie (the two tokens'
 float32 logits, recomputed by a full forward pass, within the tolerance; see ``lossless_check.py``) and reported.
+``--temperature T`` (with ``--top-p``, ``--draft-sampling``) samples instead: outputs then differ between methods by
+design, so no equality is checked (the sampling tests check the distribution), repeat r samples with seed
+``--seed + r``, and each prompt's acceptance is its mean over the repeats.
 
 Per case: time to first token, decode tokens/s (excluding prefill), end-to-end tokens/s, mean acceptance length
 (overall and per prompt, with DiffSpec's per-prompt difference from each baseline: wins / losses and a bootstrap
@@ -42,7 +45,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import context_axis, environment, reference_line, repo_relative, write_json  # noqa: E402
+from benchmarks.common import (context_axis, environment, reference_line, repo_relative, save_figure,
+                               write_json)  # noqa: E402
 from checkpoints_tools.inspect import file_hashes  # noqa: E402
 from diffspec_jax.corpus import WORKLOADS  # noqa: E402
 
@@ -75,7 +79,7 @@ def peak_memory() -> int | None:
     return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
 
 
-def run_method(method, target, draft, prompts, args):
+def run_method(method, target, draft, prompts, args, repeat: int = 0):
     import diffspec_jax as dj
 
     tree = method.endswith("-tree")
@@ -83,13 +87,14 @@ def run_method(method, target, draft, prompts, args):
                                         draft_context_policy=POLICY.get(method.removesuffix("-tree"), "full"),
                                         diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
                                         diffspec_retrieval_interval=args.interval,
-                                        diffspec_scoring_layer=args.scoring_layer,
+                                        diffspec_scoring_layer=args.scoring_layer, draft_sampling=args.draft_sampling,
                                         diffspec_verification_mode="tree" if tree else "auto",
                                         diffspec_max_tree_nodes=args.tree_nodes, diffspec_tree_topk=args.tree_topk))
     t0 = time.perf_counter()
     drafter = None if method == "target" else "self" if method in SELF_METHODS else draft
-    res = dj.generate(target, drafter, prompts, max_new_tokens=args.new_tokens,
-                      spec=spec, stop_token_ids=(), max_cache_len=args.cache_len)
+    res = dj.generate(target, drafter, prompts, max_new_tokens=args.new_tokens, spec=spec, stop_token_ids=(),
+                      max_cache_len=args.cache_len, seed=args.seed + repeat,
+                      sampling=dj.SamplingConfig(temperature=args.temperature, top_p=args.top_p))
     total = time.perf_counter() - t0
     s = res.stats
     ret = (s.retrieval or {}).get("aggregate", {})
@@ -131,9 +136,12 @@ def summarise(rows: list[dict]) -> dict:
             med = statistics.median(vals)
             cv = statistics.pstdev(vals) / statistics.mean(vals) if len(vals) > 1 and statistics.mean(vals) else 0.0
             out[key] = {"median": med, "cv": cv, "values": vals}
-    for key in ("acceptance_per_position", "mean_tree_size", "accepted_depth_histogram",
-                "acceptance_length_per_prompt"):
+    for key in ("acceptance_per_position", "mean_tree_size", "accepted_depth_histogram"):
         out[key] = rows[-1][key]
+    # each prompt's acceptance over the repeats (identical when greedy; sampled repeats use other seeds)
+    per = [r["acceptance_length_per_prompt"] for r in rows]
+    out["acceptance_length_per_prompt"] = None if per[-1] is None else [
+        None if None in vals else float(np.mean(vals)) for vals in zip(*per)]
     out["retrievals"] = rows[-1]["retrievals"]
     return out
 
@@ -149,7 +157,7 @@ def bootstrap_ci(values, seed: int = 0, resamples: int = 10000) -> list[float]:
 def paired_difference(a: list[float], b: list[float], seed: int = 0, resamples: int = 10000) -> dict:
     """Per-prompt acceptance of method A against method B on the same prompts: wins / ties / losses of A, the mean
     difference A - B and its 95% bootstrap interval (prompts resampled with replacement, seeded). Greedy acceptance
-    is deterministic, so the spread is over prompts, not repeats."""
+    is deterministic, so the spread is over prompts, not repeats (sampled runs: each prompt's mean over them)."""
     d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
     return {"prompts": len(d), "wins": int((d > 0).sum()), "ties": int((d == 0).sum()), "losses": int((d < 0).sum()),
             "mean_difference": float(d.mean()), "ci95": bootstrap_ci(d, seed, resamples)}
@@ -166,7 +174,9 @@ def comparisons(case: dict, methods: list[str], seed: int) -> dict:
 def plot(payload: dict, path: Path, seed: int = 0) -> str | None:
     """Decode speedup over target-only (left, with the 1.0x line) and acceptance length (right: the mean over
     prompts of each prompt's tokens per verification, with a seeded 95% bootstrap interval over prompts where the
-    JSON has per-prompt values) against context. Returns the file name, or None without matplotlib."""
+    JSON has per-prompt values) against context, and, where the cases hold :func:`comparisons`, a third panel with
+    each comparison's paired mean difference and its 95% interval against the zero line. Returns the file name, or
+    None without matplotlib."""
     try:
         import matplotlib
 
@@ -176,7 +186,9 @@ def plot(payload: dict, path: Path, seed: int = 0) -> str | None:
         return None
     ctxs = sorted({c["context"] for c in payload["cases"]})
     case = {c["context"]: c for c in payload["cases"]}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    pairs = sorted({k for c in payload["cases"] for k in c.get("comparisons") or {}})
+    fig, axes = plt.subplots(1, 3 if pairs else 2, figsize=(16.5 if pairs else 11, 4.2))
+    ax1, ax2 = axes[:2]
     prompts = set()
     methods = payload["settings"]["methods"][1:]
     for i, m in enumerate(methods):
@@ -204,16 +216,26 @@ def plot(payload: dict, path: Path, seed: int = 0) -> str | None:
                 ylabel="tokens per verification (mean over prompts)")
     else:
         ax2.set(title="Acceptance (median over repeats)", ylabel="tokens per verification")
-    for ax in (ax1, ax2):
+    if pairs:
+        ax3 = axes[2]
+        for i, name in enumerate(pairs):
+            rows = [case[x].get("comparisons", {}).get(name) for x in ctxs]
+            mid = [r["mean_difference"] if r else np.nan for r in rows]
+            lo = [r["mean_difference"] - r["ci95"][0] if r else 0.0 for r in rows]
+            hi = [r["ci95"][1] - r["mean_difference"] if r else 0.0 for r in rows]
+            dodge = 2 ** (0.05 * (i - (len(pairs) - 1) / 2))
+            ax3.errorbar([x * dodge for x in ctxs], mid, yerr=[lo, hi], marker="o", capsize=3, color=f"C{i}",
+                         label=name)
+        reference_line(ax3, "no difference", y=0.0)
+        ax3.set(title="Paired difference (mean, 95% bootstrap interval)",
+                ylabel="tokens per verification, A - B")
+    for ax in axes:
         context_axis(ax, ctxs)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     where = repo_relative(payload["models"]["target"].get("path"))
     fig.suptitle(f"{payload['environment']['device']}" + (f", target {where}" if where else ""), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path).name
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -241,12 +263,20 @@ def main(argv=None) -> int:
     ap.add_argument("--scoring-layer", type=int, default=None, help="target layer that scores chunks (default: last)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tie-tolerance", type=float, default=None)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 = greedy (outputs checked against target-only); > 0 samples (no equality check)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature)")
+    ap.add_argument("--draft-sampling", default="argmax", choices=("argmax", "sample"),
+                    help="sampled runs: drafts are the draft's argmax (one-hot q) or samples of its distribution")
     ap.add_argument("--no-warmup", action="store_true",
                     help="skip the warm-up run of each method (acceptance studies: generate() times compilation "
                          "apart anyway, but the first run's timings are colder)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/paired.json")
     args = ap.parse_args(argv)
+    sampled = args.temperature > 0
+    if sampled and args.tie_tolerance is not None:
+        raise SystemExit("--tie-tolerance applies to greedy runs; sampled outputs are not compared token by token")
     self_draft = args.draft == "self"
     if args.methods is None:
         args.methods = ",".join(("target", "self-recent", "self-diffspec") + (() if args.target else ("diffspec",))
@@ -295,8 +325,8 @@ def main(argv=None) -> int:
                "models": {"target": {"path": str(tdir), "config": target.config.to_hf_dict(), "files": file_hashes(tdir)},
                           "draft": {"path": str(ddir), "config": draft.config.to_hf_dict(), "files": file_hashes(ddir)}
                           if draft is not None else None},
-               "inputs": input_desc, "cases": [], "equality": "strict" if args.tie_tolerance is None else
-               f"near-ties within {args.tie_tolerance} allowed"}
+               "inputs": input_desc, "cases": [], "equality": "not checked (sampled)" if sampled else
+               "strict" if args.tie_tolerance is None else f"near-ties within {args.tie_tolerance} allowed"}
     failed = False
     for ctx in contexts:
         held = None
@@ -317,7 +347,7 @@ def main(argv=None) -> int:
         for r in range(args.repeats):
             order = methods if r % 2 == 0 else methods[::-1]
             for m in order:
-                tokens, row = run_method(m, target, draft, prompts, args)
+                tokens, row = run_method(m, target, draft, prompts, args, r if sampled else 0)
                 rows[m].append(row)
                 outputs[m] = tokens
         if held is not None and args.workload == "recall":
@@ -326,7 +356,7 @@ def main(argv=None) -> int:
         for m in methods:
             case["methods"][m] = summarise(rows[m])
             if m != "target":
-                problems = check_equal(outputs["target"], outputs[m], target_f32, prompts, args.tie_tolerance)
+                problems = None if sampled else check_equal(outputs["target"], outputs[m], target_f32, prompts, args.tie_tolerance)
                 if problems:
                     case["mismatches"][m] = problems
                     if args.tie_tolerance is None or not all(p["near_tie"] for p in problems):

@@ -72,6 +72,38 @@ def test_paired_self_draft_smoke(tiny_pair, tmp_path):
     assert case["methods"]["self-diffspec"]["retrievals"] >= 1
 
 
+def test_paired_sampled_self_draft(tiny_pair, tmp_path, monkeypatch):
+    """``--temperature``: every method samples (with the given draft sampling), repeat r with seed ``--seed + r``,
+    outputs are not compared token by token, and each prompt's acceptance is its mean over the repeats."""
+    import diffspec_jax as dj
+    from benchmarks import paired
+
+    calls, real = [], dj.generate
+
+    def recording(target, draft, prompts, **kw):
+        res = real(target, draft, prompts, **kw)
+        calls.append((draft, kw["seed"], kw["sampling"], kw["spec"].draft_sampling,
+                      res.stats.acceptance_length_per_sequence))
+        return res
+
+    monkeypatch.setattr(dj, "generate", recording)
+    out = tmp_path / "paired_sampled.json"
+    args = paired_args(tiny_pair, out)
+    args[args.index("--draft") + 1] = "self"
+    args[args.index("--contexts") + 1] = "160"
+    args[args.index("--repeats") + 1] = "2"
+    assert paired.main(args + ["--no-warmup", "--methods", "target,self-diffspec", "--temperature", "0.8",
+                               "--top-p", "0.9", "--draft-sampling", "sample", "--seed", "7"]) == 0
+    data = json.loads(out.read_text())
+    assert data["equality"] == "not checked (sampled)" and data["passed_equality"] is True
+    assert [(c[0] is None, c[1]) for c in calls] == [(True, 7), (False, 7), (False, 8), (True, 8)]  # ABBA
+    assert all(c[2] == dj.SamplingConfig(temperature=0.8, top_p=0.9) and c[3] == "sample" for c in calls)
+    per = data["cases"][0]["methods"]["self-diffspec"]["acceptance_length_per_prompt"]
+    assert per == pytest.approx(np.mean([calls[1][4], calls[2][4]], axis=0))
+    with pytest.raises(SystemExit, match="greedy runs"):
+        paired.main(args + ["--temperature", "0.8", "--tie-tolerance", "0.1"])
+
+
 def test_paired_difference_counts_and_interval():
     from benchmarks.paired import paired_difference
 
@@ -364,6 +396,18 @@ def test_paired_plot_intervals_reference_line_and_titles(tmp_path, monkeypatch):
     payload["models"]["target"]["path"] = "/somewhere/else/diffspec_jax/demo/pair/target"
     fig = captured_figure(monkeypatch, paired.plot, payload, tmp_path / "p.png")
     assert fig._suptitle.get_text() == "cpu, target diffspec_jax/demo/pair/target"  # repository-relative
+    # with per-prompt comparisons: a third panel, each difference's interval against the zero line
+    for c in payload["cases"]:
+        c["comparisons"] = {"diffspec vs eagle3-full": paired.paired_difference(
+            c["methods"]["diffspec"]["acceptance_length_per_prompt"],
+            c["methods"]["eagle3-full"]["acceptance_length_per_prompt"])}
+    fig = captured_figure(monkeypatch, paired.plot, payload, tmp_path / "p.png")
+    check_axes(fig)
+    diff = fig.axes[2]
+    assert any(list(line.get_ydata()) == [0.0, 0.0] for line in diff.get_lines())  # the zero line
+    segs = diff.containers[0].lines[2][0].get_segments()
+    for seg, c in zip(segs, payload["cases"]):
+        assert [seg[0][1], seg[1][1]] == pytest.approx(c["comparisons"]["diffspec vs eagle3-full"]["ci95"])
 
 
 def test_long_context_plot_of_a_committed_result(tmp_path, monkeypatch):
@@ -390,3 +434,41 @@ def test_flash_prefill_quick(tmp_path):
     row = data["results"][0]
     assert row["impl"] == "cudnn_lse" and row["median_s"] > 0 and row["rel_err_out"] == 0.0
     assert row["flops"] == 2 * 1 * 4 * 64 * 128 * 128 and data["matmul_peak"]["flop_per_s"] > 0
+
+
+def test_self_projection_formula_and_files(tmp_path):
+    """``self_projection.py``: self-diffspec pays retrieval + rebuild every N cycles (N of the acceptance run),
+    self-recent neither; every cell of every steps file is projected at every acceptance source."""
+    from benchmarks import self_projection
+
+    steps = {"environment": {"device": "gpu", "git_commit": "abc"}, "cases": [
+        {"context": 65536, "batch": 8, "target_decode_step_s": 0.02,
+         "self_draft": {"4096": {"self_step_s": 0.006, "cycle_s": 0.05, "retrieve_s": 0.002, "rebuild_s": 0.004},
+                        "2048": {"self_step_s": 0.005, "cycle_s": 0.04, "retrieve_s": 0.001, "rebuild_s": 0.002}}},
+        {"context": 8192, "batch": 1, "target_decode_step_s": 0.01}]}  # no self-draft cells
+    (tmp_path / "steps.json").write_text(json.dumps(steps))
+
+    def paired_json(name, interval, acc_d, acc_r):
+        case = {"context": 16384, "methods": {"self-diffspec": {"mean_acceptance_length": {"median": acc_d}},
+                                              "self-recent": {"mean_acceptance_length": {"median": acc_r}}},
+                "comparisons": {"self-diffspec vs self-recent": {"mean_difference": acc_d - acc_r}}}
+        path = tmp_path / name
+        path.write_text(json.dumps({"settings": {"budget": 1024, "k": 4, "interval": interval, "workload": "recall"},
+                                    "cases": [{"context": 4096, "methods": {}}, case]}))
+        return path
+
+    every, fourth = paired_json("a.json", 1, 4.4, 4.0), paired_json("b.json", 4, 3.0, 2.5)
+    out = tmp_path / "proj.json"
+    assert self_projection.main(["--steps", str(tmp_path / "steps.json"), "--acceptance", f"every={every}",
+                                 "--acceptance", f"fourth={fourth}", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [c["budget"] for c in data["cells"]] == [2048, 4096]
+    c = data["cells"][0]
+    assert c["self_step_over_target_step"] == pytest.approx(0.25)
+    assert c["projected_speedup"]["every"]["self-diffspec"] == pytest.approx(4.4 * 0.02 / (0.04 + 0.003))
+    assert c["projected_speedup"]["fourth"]["self-diffspec"] == pytest.approx(3.0 * 0.02 / (0.04 + 0.003 / 4))
+    assert c["projected_speedup"]["every"]["self-recent"] == pytest.approx(4.0 * 0.02 / 0.04)
+    assert data["acceptance"]["every"]["interval"] == 1 and data["acceptance"]["every"]["context"] == 16384
+    assert (tmp_path / "proj.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="NAME=FILE"):
+        self_projection.main(["--steps", str(tmp_path / "steps.json"), "--acceptance", str(every), "--out", str(out)])
