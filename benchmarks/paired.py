@@ -45,8 +45,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (context_axis, environment, reference_line, repo_relative, save_figure,
-                               write_json)  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    context_axis, environment, reference_line, repo_relative, save_figure, write_json)
 from checkpoints_tools.inspect import file_hashes  # noqa: E402
 from diffspec_jax.corpus import WORKLOADS  # noqa: E402
 
