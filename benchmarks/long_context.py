@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (REPO, context_axis, copy_bandwidth, environment, log_yticks, matmul_peak,
                                reference_line, write_json)
+from benchmarks.self_projection import acceptance_of, cycle_with_retrieval, project
 
 #: acceptance lengths (tokens per verification, bonus included) for projected speedups; random weights accept
 #: nothing, so the measured cycle times are combined with these
@@ -436,13 +437,12 @@ def self_draft_case(target, ctx, batch, dec_s, args) -> dict:
         row["stats"] = stats
         row["working_set_slots"] = working_set.width(spec)
         row["self_step_over_target_step"] = row["self_step_s"] / dec_s
-        row["cycle_with_retrieval_s"] = row["cycle_s"] + (row["retrieve_s"] + row["rebuild_s"]) / args.interval
+        row["cycle_with_retrieval_s"] = cycle_with_retrieval(row, args.interval)
         row["projected_speedup"] = {str(a): a * dec_s / row["cycle_with_retrieval_s"] for a in PROJECTION_ACCEPTANCE}
         if acceptance:  # recent: the same cycle without retrieval and rebuilds
+            proj = project({**row, "target_step_s": dec_s}, {**acceptance, "interval": args.interval})
             row["projected_speedup_measured_acceptance"] = {
-                "acceptance": acceptance,
-                "self-diffspec": acceptance["self-diffspec"] * dec_s / row["cycle_with_retrieval_s"],
-                "self-recent": acceptance["self-recent"] * dec_s / row["cycle_s"]}
+                "acceptance": acceptance, "self-diffspec": proj["self-diffspec"], "self-recent": proj["self-recent"]}
         out[str(budget)] = row
     return out
 
@@ -452,12 +452,8 @@ def self_acceptance(path: str | None) -> dict | None:
     """Mean acceptance of ``self-diffspec`` and ``self-recent`` at the longest context of a ``paired.py --draft
     self`` JSON (``None`` when there is none)."""
     try:
-        p = Path(path) if path else SELF_PAIRED
-        data = json.loads(p.read_text())
-        case = max(data["cases"], key=lambda c: c["context"])
-        acc = {m: case["methods"][m]["mean_acceptance_length"]["median"] for m in ("self-diffspec", "self-recent")}
-        return {**acc, "context": case["context"], "workload": data["settings"]["workload"],
-                "source": str(p.relative_to(REPO)) if p.is_relative_to(REPO) else str(p)}
+        acc = acceptance_of(Path(path) if path else SELF_PAIRED)
+        return {k: acc[k] for k in ("self-diffspec", "self-recent", "context", "workload", "source")}
     except (OSError, KeyError, ValueError, TypeError):
         return None
 

@@ -71,9 +71,15 @@ def cells_of(path: Path) -> list[dict]:
     return out
 
 
+def cycle_with_retrieval(cell: dict, interval: int) -> float:
+    """Seconds per self+diffspec cycle with a retrieval and a working-set rebuild every ``interval`` cycles."""
+    return cell["cycle_s"] + (cell["retrieve_s"] + cell["rebuild_s"]) / interval
+
+
 def project(cell: dict, acc: dict) -> dict:
-    """The two projected speedups of one cell at one acceptance source (module docstring)."""
-    with_retrieval = cell["cycle_s"] + (cell["retrieve_s"] + cell["rebuild_s"]) / acc["interval"]
+    """The two projected speedups of one cell (``cycle_s``, ``retrieve_s``, ``rebuild_s``, ``target_step_s``) at
+    one acceptance source (``self-diffspec``, ``self-recent``, ``interval``; module docstring)."""
+    with_retrieval = cycle_with_retrieval(cell, acc["interval"])
     return {"cycle_with_retrieval_s": with_retrieval,
             "self-diffspec": acc["self-diffspec"] * cell["target_step_s"] / with_retrieval,
             "self-recent": acc["self-recent"] * cell["target_step_s"] / cell["cycle_s"]}
@@ -128,8 +134,7 @@ def main(argv=None) -> int:
     for c in cells:
         c["projected_speedup"] = {n: project(c, a) for n, a in sources.items()}
     out = Path(args.out)
-    payload = {"benchmark": "self-drafting projected speedup", "environment": environment(sys.argv),
-               "note": NOTE,
+    payload = {"benchmark": "self-drafting projected speedup", "environment": environment(sys.argv), "note": NOTE,
                "acceptance": sources, "cells": cells}
     payload["figure"] = plot(payload, out.with_suffix(".png"))
     write_json(out, payload)
