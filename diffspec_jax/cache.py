@@ -38,29 +38,58 @@ def round_capacity(capacity: int, tile: int = ATTENTION_TILE) -> int:
 
 
 class _LayerBuffers:
-    """What every cache answers from its first K buffer ``[B, Hkv, S, D]``."""
+    """What every cache answers from its first K buffer ``[B, Hkv, S, D]`` (or, paged, from its page table)."""
 
     k: tuple[jax.Array, ...]
+    pages: jax.Array | None
+    page_size: int
+
+    @property
+    def paged(self) -> bool:
+        return self.pages is not None
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return self.pages.shape[0] if self.paged else self.k[0].shape[0]
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        """Positions per sequence (paged: page-table columns x page size)."""
+        return self.pages.shape[1] * self.page_size if self.paged else self.k[0].shape[2]
+
+    def gather(self, buf: jax.Array, pos: jax.Array) -> jax.Array:
+        """Rows at absolute positions ``pos [B, N]`` of one layer's buffer as ``[B, H, N, D]`` (zero where
+        ``pos < 0``), through the page table when paged."""
+        if self.paged:
+            rows = page_rows(self.pages, pos, self.page_size, buf.shape[2])
+            got = jnp.moveaxis(jnp.take(buf[0], jnp.minimum(rows, buf.shape[2] - 1), axis=1), 0, 1)
+        else:
+            got = jnp.take_along_axis(buf, jnp.maximum(pos, 0)[:, None, :, None], axis=2)
+        return jnp.where((pos >= 0)[:, None, :, None], got, jnp.zeros((), buf.dtype))
+
+    def layer_view(self, buf: jax.Array) -> jax.Array:
+        """One layer's buffer as ``[B, Hkv, S, D]`` by absolute position (paged: gathered through the page table,
+        a materialised copy; the hot attention paths read the pool directly instead)."""
+        return page_view(buf, self.pages, self.page_size) if self.paged else buf
 
 
 @struct.dataclass
 class KVCache(_LayerBuffers):
-    """Per-layer K/V buffers.
+    """Per-layer K/V buffers, contiguous per sequence or paged.
 
     Attributes:
-        k, v: tuples of ``num_layers`` arrays ``[B, Hkv_local, S, D]`` (``Hkv_local`` is the shard's KV heads).
+        k, v: tuples of ``num_layers`` arrays ``[B, Hkv_local, S, D]`` (``Hkv_local`` is the shard's KV heads), or,
+            paged, ``[1, Hkv_local, N * P, D]``: one pool of ``N`` pages of ``P`` rows shared by every sequence.
+        pages: ``None`` (contiguous), or int32 ``[B, max_pages]``: sequence b's position p lives in pool row
+            ``pages[b, p // P] * P + p % P``; an entry ``>= N`` (or ``< 0``) is an unallocated page, whose writes
+            are dropped and whose reads are never visible (:func:`page_rows`).
+        page_size: static ``P`` (0 when contiguous).
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+    pages: jax.Array | None = None
+    page_size: int = struct.field(pytree_node=False, default=0)
 
     def layer_keys(self, layer: int) -> jax.Array:
         """The K buffer of decoder layer ``layer``."""
@@ -76,6 +105,16 @@ class KVCache(_LayerBuffers):
         shape = (batch, num_kv_heads or config.num_key_value_heads, round_capacity(capacity), config.head_dim)
         layers = range(config.num_hidden_layers)
         return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers))
+
+    @classmethod
+    def create_paged(cls, config: ModelConfig, batch: int, num_pages: int, page_size: int, max_pages: int,
+                     dtype=jnp.bfloat16, num_kv_heads: int | None = None) -> KVCache:
+        """Zero-filled pools of ``num_pages`` pages of ``page_size`` rows per layer, and a page table of
+        ``batch x max_pages`` entries, all unallocated (``num_pages``)."""
+        shape = (1, num_kv_heads or config.num_key_value_heads, num_pages * page_size, config.head_dim)
+        layers = range(config.num_hidden_layers)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+                   pages=jnp.full((batch, max_pages), num_pages, jnp.int32), page_size=page_size)
 
 
 @struct.dataclass
@@ -99,6 +138,8 @@ class HybridCache(_LayerBuffers):
     ssm: tuple[jax.Array, ...]
     full_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
     linear_layers: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    pages: jax.Array | None = None
+    page_size: int = struct.field(pytree_node=False, default=0)
 
     def layer_keys(self, layer: int) -> jax.Array:
         """The K buffer of decoder layer ``layer`` (a full-attention layer)."""
@@ -138,6 +179,58 @@ def create_cache(config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloa
                                                                 "the target's linear attention"))
 
 
+def create_paged_cache(config: ModelConfig, batch: int, num_pages: int, page_size: int, max_pages: int,
+                       dtype=jnp.bfloat16, *, tp: int = 1) -> KVCache | HybridCache:
+    """The paged cache for ``config``: K/V pools of ``num_pages`` pages of ``page_size`` rows per attention layer,
+    a ``batch x max_pages`` page table (all unallocated), and for a hybrid target its per-sequence DeltaNet states
+    (those are not position-indexed, so they are never paged)."""
+    kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
+    if not config.is_hybrid:
+        return KVCache.create_paged(config, batch, num_pages, page_size, max_pages, dtype, num_kv_heads=kv)
+    cache = create_cache(config, batch, 1, dtype, tp=tp)
+    pool = (1, kv, num_pages * page_size, config.head_dim)
+    n = len(config.full_attention_layers)
+    return cache.replace(k=tuple(jnp.zeros(pool, dtype) for _ in range(n)),
+                         v=tuple(jnp.zeros(pool, dtype) for _ in range(n)),
+                         pages=jnp.full((batch, max_pages), num_pages, jnp.int32), page_size=page_size)
+
+
+def page_rows(pages: jax.Array, positions: jax.Array, page_size: int, pool_rows: int) -> jax.Array:
+    """Pool rows of absolute ``positions`` (int ``[B, T]``) under the page table ``pages [B, max_pages]``:
+    ``pages[b, p // P] * P + p % P``. A position that is negative, past the table, or on an unallocated page maps
+    to ``pool_rows`` (one past the pool): writes there are dropped, and no read of it is ever visible."""
+    positions = positions.astype(jnp.int32)
+    col = positions // page_size
+    page = jnp.take_along_axis(pages, jnp.clip(col, 0, pages.shape[1] - 1), axis=1)
+    row = page * page_size + positions % page_size
+    ok = (positions >= 0) & (col < pages.shape[1]) & (page >= 0) & (row < pool_rows)
+    return jnp.where(ok, row, pool_rows).astype(jnp.int32)
+
+
+def page_view(buf: jax.Array, pages: jax.Array, page_size: int, *, heads_first: bool = True) -> jax.Array:
+    """A pool ``[1, H, N * P, D]`` (``heads_first``) or ``[1, N * P, H, D]`` read as per-sequence buffers
+    ``[B, H, max_pages * P, D]`` (or ``[B, max_pages * P, H, D]``) through ``pages [B, max_pages]``; unallocated
+    pages read as some page's rows (never visible: they lie past every committed length)."""
+    n = buf.shape[2 if heads_first else 1] // page_size
+    b, m = pages.shape
+    idx = jnp.clip(pages, 0, n - 1)
+    if heads_first:
+        h, d = buf.shape[1], buf.shape[3]
+        pool = buf[0].reshape(h, n, page_size, d)
+        return jnp.moveaxis(jnp.take(pool, idx, axis=1), 0, 1).reshape(b, h, m * page_size, d)
+    pool = buf[0].reshape((n, page_size) + buf.shape[2:])
+    return jnp.take(pool, idx, axis=0).reshape((b, m * page_size) + buf.shape[2:])
+
+
+def write_paged(buf: jax.Array, rows: jax.Array, pages: jax.Array, positions: jax.Array, page_size: int, *,
+                heads_first: bool = True) -> jax.Array:
+    """:func:`write_rows` into a pool (``[1, H, N * P, D]`` heads first, or ``[1, N * P, ...]``): ``rows [B, T,
+    ...]`` land at the pool rows of ``positions [B, T]`` (:func:`page_rows`); unallocated ones are dropped."""
+    axis = 2 if heads_first else 1
+    flat = page_rows(pages, positions, page_size, buf.shape[axis]).reshape(1, -1)
+    return write_rows(buf, rows.reshape((1, -1) + rows.shape[2:]), flat, heads_first=heads_first)
+
+
 def cache_specs(config: ModelConfig, dp: str | None, tp: str | None = TP) -> KVCache | HybridCache:
     """PartitionSpecs of the target cache of ``config`` (batch over ``dp``, heads over ``tp``)."""
     heads = P(dp, tp, None, None)  # [B, Hkv, S, D]
@@ -167,7 +260,7 @@ def write_rows(buf: jax.Array, rows: jax.Array, positions: jax.Array, *, heads_f
     return buf.at[bidx, positions].set(rows.astype(buf.dtype), mode="drop")
 
 
-def move_rows(cache: KVCache, start: jax.Array, src: jax.Array) -> KVCache:
+def move_rows(cache: KVCache | HybridCache, start: jax.Array, src: jax.Array) -> KVCache | HybridCache:
     """Copy rows ``start + src[:, i]`` to ``start + i`` in every layer (the accepted path of a verified tree).
 
     Args:
@@ -176,6 +269,13 @@ def move_rows(cache: KVCache, start: jax.Array, src: jax.Array) -> KVCache:
             path may hold anything (they land beyond the new committed length, where rows are stale by design).
     """
     dst = start[:, None] + jnp.arange(src.shape[1], dtype=jnp.int32)[None, :]
+    if cache.paged:  # through the page table: gather the path's pool rows, write them to the block's first rows
+        def move_paged(buf):
+            rows_from = page_rows(cache.pages, start[:, None] + src, cache.page_size, buf.shape[2])
+            rows = jnp.take(buf[0], jnp.minimum(rows_from, buf.shape[2] - 1), axis=1)  # [H, B, R, D]
+            return write_paged(buf, jnp.moveaxis(rows, 0, 2), cache.pages, dst, cache.page_size)
+
+        return cache.replace(k=tuple(map(move_paged, cache.k)), v=tuple(map(move_paged, cache.v)))
     idx = (start[:, None] + src)[:, None, :, None]
 
     def move(buf):  # [B, H, S, D]: gather the path's rows as [B, H, R, D], write them back as [B, R, H, D]

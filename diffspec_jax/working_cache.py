@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from diffspec_jax.cache import write_rows
+from diffspec_jax.cache import page_rows, write_paged, write_rows
 from diffspec_jax.config import DraftConfig, SpecConfig
 from diffspec_jax.models import eagle3
 from diffspec_jax.models.layers import apply_rope, attention_dense, causal_mask, rope_cos_sin
@@ -50,10 +50,15 @@ class DraftCache:
 
     @classmethod
     def create(cls, config: DraftConfig, spec: SpecConfig, batch: int, capacity: int, dtype,
-               num_kv_heads: int | None = None) -> DraftCache:
+               num_kv_heads: int | None = None, pool_rows: int | None = None) -> DraftCache:
         """Zero-filled buffers: ``capacity`` = the target cache capacity (absolute positions); ``num_kv_heads``
-        overrides the config's (KV heads repeated for tensor parallelism)."""
+        overrides the config's (KV heads repeated for tensor parallelism). ``pool_rows`` (``recent`` /
+        ``diffspec``): the store is a pool ``[1, pool_rows, Hkv, D]`` paged by the target cache's page table."""
         hkv, d = num_kv_heads or config.num_key_value_heads, config.head_dim
+        if pool_rows is not None and spec.uses_working_cache:
+            w = jnp.zeros((batch, spec.context.token_budget, hkv, d), dtype)
+            s = jnp.zeros((1, pool_rows, hkv, d), dtype)
+            return cls(work_k=w, work_v=w.copy(), store_k=s, store_v=s.copy())
         if not spec.uses_working_cache:
             z = jnp.zeros((batch, capacity, hkv, d), dtype)
             return cls(work_k=z, work_v=z.copy())
@@ -70,11 +75,12 @@ def history_slots(spec: SpecConfig) -> int:
 
 
 def commit(config: DraftConfig, spec: SpecConfig, cache: DraftCache, k: jax.Array, v: jax.Array,
-           positions: jax.Array) -> DraftCache:
+           positions: jax.Array, pages: jax.Array | None = None, page_size: int = 0) -> DraftCache:
     """Store the K/V of draft entries computed from target features at their absolute positions.
 
     Args:
         k, v: pre-RoPE ``[B, T, Hkv, D]``; positions: int32 ``[B, T]`` (rows past the capacity are dropped).
+        pages, page_size: the target cache's page table when the store is paged (its rows go through it).
     ``full`` rotates the keys at their absolute positions into the working cache; the other policies write the
     pre-RoPE rows to the canonical store.
     """
@@ -82,6 +88,9 @@ def commit(config: DraftConfig, spec: SpecConfig, cache: DraftCache, k: jax.Arra
         k_rot = eagle3.rope(config, k, positions)
         return cache.replace(work_k=write_rows(cache.work_k, k_rot, positions),
                              work_v=write_rows(cache.work_v, v, positions))
+    if pages is not None:
+        return cache.replace(store_k=write_paged(cache.store_k, k, pages, positions, page_size, heads_first=False),
+                             store_v=write_paged(cache.store_v, v, pages, positions, page_size, heads_first=False))
     return cache.replace(store_k=write_rows(cache.store_k, k, positions),
                          store_v=write_rows(cache.store_v, v, positions))
 
@@ -130,13 +139,17 @@ def _compact_sorted(idx: jax.Array, slots: int) -> jax.Array:
     return jnp.where(s == big, -1, s).astype(jnp.int32)
 
 
-def gather_rope_write(config: DraftConfig, cache: DraftCache, idx: jax.Array) -> DraftCache:
+def gather_rope_write(config: DraftConfig, cache: DraftCache, idx: jax.Array, pages: jax.Array | None = None,
+                      page_size: int = 0) -> DraftCache:
     """Rebuild the working cache: ``working[0:N] = rope(store[idx], local 0..N-1)``; ``-1`` rows become zeros.
 
     Args:
         idx: int32 ``[B, N]`` sorted absolute positions, ``-1`` padded (from :func:`history_indices`).
+        pages, page_size: the target cache's page table when the store is paged: positions become pool rows.
     Runs the Pallas kernel or :func:`gather_rope_write_reference` (:func:`run_gather_rope_write`).
     """
+    if pages is not None:
+        idx = jnp.where(idx >= 0, page_rows(pages, idx, page_size, cache.store_k.shape[1]), -1)
     local = jnp.arange(idx.shape[1], dtype=jnp.int32)
     cos, sin = rope_cos_sin(local, config.rope.inv_freq(config.head_dim))
     k, v = run_gather_rope_write(cache.store_k, cache.store_v, cache.work_k, cache.work_v, idx, cos, sin,
@@ -155,7 +168,8 @@ def gather_rope_write_reference(store_k, store_v, work_k, work_v, idx, cos, sin,
     """Pure-JAX gather-RoPE-write (the contract of the Pallas kernel).
 
     Args:
-        store_k, store_v: ``[B, S, Hkv, D]`` pre-RoPE canonical store.
+        store_k, store_v: ``[B, S, Hkv, D]`` pre-RoPE canonical store, or a paged pool ``[1, N * P, Hkv, D]``
+            whose rows ``idx`` names (every sequence gathers from the one pool).
         work_k, work_v: ``[B, W, Hkv, D]`` working cache (rows ``0..N-1`` are overwritten, the rest kept).
         idx: int32 ``[B, N]`` absolute positions to gather, ``-1`` = padding (written as zero rows), N <= W.
         cos, sin: float32 ``[N, R/2]`` RoPE tables of local positions ``0..N-1`` (R = rotary dims <= D).
@@ -163,10 +177,14 @@ def gather_rope_write_reference(store_k, store_v, work_k, work_v, idx, cos, sin,
     Returns:
         ``(work_k, work_v)`` with keys rotated at local positions and values copied (store dtype -> work dtype).
     """
-    safe = jnp.maximum(idx, 0)
+    safe = jnp.minimum(jnp.maximum(idx, 0), store_k.shape[1] - 1)
     valid = (idx >= 0)[:, :, None, None]
-    k = jnp.where(valid, jnp.take_along_axis(store_k, safe[:, :, None, None], axis=1), 0)
-    v = jnp.where(valid, jnp.take_along_axis(store_v, safe[:, :, None, None], axis=1), 0)
+    if store_k.shape[0] != idx.shape[0]:  # a paged pool: one store for every sequence
+        take = lambda store: jnp.take(store[0], safe, axis=0)  # noqa: E731
+    else:
+        take = lambda store: jnp.take_along_axis(store, safe[:, :, None, None], axis=1)  # noqa: E731
+    k = jnp.where(valid, take(store_k), 0)
+    v = jnp.where(valid, take(store_v), 0)
     k = apply_rope(k, cos[None], sin[None], interleaved=interleaved)
     return (jax.lax.dynamic_update_slice_in_dim(work_k, k.astype(work_k.dtype), 0, axis=1),
             jax.lax.dynamic_update_slice_in_dim(work_v, v.astype(work_v.dtype), 0, axis=1))

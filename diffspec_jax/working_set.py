@@ -127,19 +127,13 @@ def layout(anchors: jax.Array, length: jax.Array, chunk: int, slots: int
     return pos.astype(jnp.int32), (n - window).astype(jnp.int32), window.astype(jnp.int32)
 
 
-def gather_rows(buf: jax.Array, pos: jax.Array) -> jax.Array:
-    """Rows ``pos [B, N]`` of a heads-first buffer ``[B, H, S, D]`` as ``[B, H, N, D]`` (zero where ``pos < 0``)."""
-    rows = jnp.take_along_axis(buf, jnp.maximum(pos, 0)[:, None, :, None], axis=2)
-    return jnp.where((pos >= 0)[:, None, :, None], rows, jnp.zeros((), buf.dtype))
-
-
 def rebuild(ws: WorkingSet, target_cache, anchors: jax.Array, length: jax.Array, chunk: int) -> WorkingSet:
     """Gather the whole history (:func:`layout` of ``anchors`` before ``length``) of every layer from the target
     cache into slots ``0 .. Hb - 1``."""
     pos, n_anchor, count = layout(anchors, length, chunk, ws.pos.shape[1])
 
     def fill(work, buf):
-        return jax.lax.dynamic_update_slice_in_dim(work, gather_rows(buf, pos).astype(work.dtype), 0, axis=2)
+        return jax.lax.dynamic_update_slice_in_dim(work, target_cache.gather(buf, pos).astype(work.dtype), 0, axis=2)
 
     ring = ws.pos.shape[1] - n_anchor
     return ws.replace(k=tuple(map(fill, ws.k, target_cache.k)), v=tuple(map(fill, ws.v, target_cache.v)), pos=pos,
@@ -176,7 +170,7 @@ def append(ws: WorkingSet, target_cache, start: jax.Array, num: jax.Array, activ
     src = jnp.where(valid, positions, -1)
 
     def put(work, buf):
-        return write_rows(work, jnp.swapaxes(gather_rows(buf, src), 1, 2), slots, heads_first=True)
+        return write_rows(work, jnp.swapaxes(target_cache.gather(buf, src), 1, 2), slots, heads_first=True)
 
     bidx = jnp.broadcast_to(jnp.arange(b)[:, None], slots.shape)
     return ws.replace(k=tuple(map(put, ws.k, target_cache.k)), v=tuple(map(put, ws.v, target_cache.v)),

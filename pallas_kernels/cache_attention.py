@@ -110,9 +110,11 @@ def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: in
     return Plan(rows, row_blocks, block, tiles_per_split, -(-n_tiles // tiles_per_split))
 
 
-def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_blocks, group, steps, block,
-            tiles_per_split, splits, seq_len, head_dim, cols, scale, precision, causal):
+def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps, block, tiles_per_split, splits,
+            seq_len, head_dim, cols, scale, precision, causal, page_size):
     from jax.experimental.pallas import triton as plgpu
+
+    pt_ref, (o_ref, m_ref, l_ref) = (refs[0], refs[1:]) if page_size else (None, refs)
 
     b, gr, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, rb = gr // row_blocks, gr % row_blocks
@@ -132,10 +134,18 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_bloc
     first = s * tiles_per_split * block
     n_tiles = jnp.clip((length - first + block - 1) // block, 0, tiles_per_split)
 
+    def where(pos, visible):                              # (sequence, row) of positions in the K/V buffers
+        if not page_size:
+            return b, pos
+        col = jnp.clip(pos // page_size, 0, pt_ref.shape[1] - 1)
+        page = plgpu.load(pt_ref.at[b, col], mask=visible, other=0)
+        return 0, page * page_size + pos % page_size    # the pool's one "sequence", through the page table
+
     def tile(carry, pos, visible, seen):
         mask = cols_in(visible[:, None])                  # rows not visible are never read
-        k = plgpu.load(k_ref.at[b, g, pos[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
-        v = plgpu.load(v_ref.at[b, g, pos[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
+        sb, row = where(pos, visible)
+        k = plgpu.load(k_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
+        v = plgpu.load(v_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
         return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision)
 
     def body(i, carry):                                   # the committed prefix: rows < length
@@ -164,11 +174,15 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, o_ref, m_ref, l_ref, *, rows, row_bloc
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "block", "splits", "max_rows", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "page_size"))
 def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits=None, max_rows=128,
-                    num_warps=None, num_stages=None):
+                    num_warps=None, num_stages=None, pages=None, page_size=0):
     """Attention of new queries over the committed prefix of a heads-first KV cache (see the module docstring
     for shapes, dtypes and semantics).
+
+    Paged caches: ``k``, ``v`` are pools ``[1, Hkv, N * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
+    sequence b's position p to pool row ``pages[b, p // P] * P + p % P`` (``page_size`` = P, static); the kernel
+    loads each tile's rows through the table (one more small vector load per tile), so paging costs no copy.
 
     Tuning knobs (static; ``block`` and ``num_stages`` default to :func:`default_tiling`): ``block`` cache rows
     per tile (a power of two >= 16; capped at the cache length rounded up to a power of two), ``splits`` ranges per (sequence, KV head) (default :func:`default_splits`; capped at
@@ -178,7 +192,14 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     """
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
-    if hq % hkv or k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+    if pages is not None:
+        if not page_size or pages.shape[0] != b or k.shape[0] != 1:
+            raise ValueError(f"cache_attention: pages {pages.shape} (page size {page_size}) do not fit q {q.shape} "
+                             f"and a pool {k.shape}")
+        s_len = pages.shape[1] * page_size
+    elif page_size:
+        raise ValueError("cache_attention: page_size without pages")
+    if hq % hkv or k.shape != v.shape or k.shape[0] != (1 if pages is not None else b) or k.shape[3] != d:
         raise ValueError(f"cache_attention: q {q.shape} does not fit k {k.shape} / v {v.shape}")
     group = hq // hkv
     lengths = lengths.astype(jnp.int32)
@@ -188,7 +209,9 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
                                                                    max_rows=max_rows)
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
                                tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d,
-                               cols=next_pow2(d, 16), scale=scale, precision=dot_precision(k.dtype), causal=causal)
+                               cols=next_pow2(d, 16), scale=scale, precision=dot_precision(k.dtype), causal=causal,
+                               page_size=page_size if pages is not None else 0)
+    extra = () if pages is None else (pages.astype(jnp.int32),)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv * row_blocks, splits),
@@ -198,7 +221,7 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
         name="cache_attention",
         **call_options(num_warps=num_warps or (4 if rows <= 64 else 8),
                        num_stages=num_stages or default_tiling(rows)[1]),
-    )(q, k, v, lengths)
+    )(q, k, v, lengths, *extra)
     # split j saw rows iff it starts before the length (the kernel's n_tiles > 0); the others wrote no output
     prefix = jnp.clip(lengths, 0, s_len)[:, None]
     live = (jnp.arange(splits) * (tiles_per_split * block))[None, :] < prefix

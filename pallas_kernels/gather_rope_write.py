@@ -30,10 +30,11 @@ from pallas_kernels.common import call_options, pow2_pieces
 
 
 def _kernel(idx_ref, cos_ref, sin_ref, sk_ref, sv_ref, _wk_in, _wv_in, wk_ref, wv_ref, *, block_rows, n_rows,
-            half, head_dim, interleaved):
+            half, head_dim, interleaved, shared):
     from jax.experimental.pallas import triton as plgpu
 
     b, t, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    sb = 0 if shared else b                               # a paged store: one pool, idx already holds pool rows
     rows = t * block_rows + jnp.arange(block_rows)
     in_range = rows < n_rows
     pos = plgpu.load(idx_ref.at[b, rows], mask=in_range, other=-1)
@@ -46,24 +47,26 @@ def _kernel(idx_ref, cos_ref, sin_ref, sk_ref, sv_ref, _wk_in, _wv_in, wk_ref, w
     sin = plgpu.load(sin_ref.at[rows[:, None], j], mask=keep, other=0.0)
     cols_a, cols_b = (2 * j, 2 * j + 1) if interleaved else (j, j + half)
     zk, zv = jnp.zeros((), sk_ref.dtype), jnp.zeros((), sv_ref.dtype)
-    x1 = plgpu.load(sk_ref.at[b, src, h, cols_a], mask=valid, other=zk).astype(jnp.float32)
-    x2 = plgpu.load(sk_ref.at[b, src, h, cols_b], mask=valid, other=zk).astype(jnp.float32)
+    x1 = plgpu.load(sk_ref.at[sb, src, h, cols_a], mask=valid, other=zk).astype(jnp.float32)
+    x2 = plgpu.load(sk_ref.at[sb, src, h, cols_b], mask=valid, other=zk).astype(jnp.float32)
     dtype = wk_ref.dtype
     plgpu.store(wk_ref.at[b, dst, h, cols_a], (x1 * cos - x2 * sin).astype(dtype), mask=keep)
     plgpu.store(wk_ref.at[b, dst, h, cols_b], (x2 * cos + x1 * sin).astype(dtype), mask=keep)
     for start, size in pow2_pieces(2 * half, head_dim):  # dims past the rotary part pass through
         cols = start + jnp.arange(size)[None, :]
-        x = plgpu.load(sk_ref.at[b, src, h, cols], mask=valid, other=zk)
+        x = plgpu.load(sk_ref.at[sb, src, h, cols], mask=valid, other=zk)
         plgpu.store(wk_ref.at[b, dst, h, cols], x.astype(dtype), mask=keep)
     for start, size in pow2_pieces(0, head_dim):
         cols = start + jnp.arange(size)[None, :]
-        x = plgpu.load(sv_ref.at[b, src, h, cols], mask=valid, other=zv)
+        x = plgpu.load(sv_ref.at[sb, src, h, cols], mask=valid, other=zv)
         plgpu.store(wv_ref.at[b, dst, h, cols], x.astype(wv_ref.dtype), mask=keep)
 
 
 @functools.partial(jax.jit, static_argnames=("interleaved", "block_rows"))
 def gather_rope_write(store_k, store_v, work_k, work_v, idx, cos, sin, *, interleaved=False, block_rows=64):
-    """Gather-RoPE-write (see the module docstring for shapes, dtypes and semantics)."""
+    """Gather-RoPE-write (see the module docstring for shapes, dtypes and semantics). A store of batch 1 under a
+    batch of ``B > 1`` rows is a paged pool ``[1, N * P, Hkv, D]`` and ``idx`` its pool rows
+    (:func:`diffspec_jax.working_cache.gather_rope_write` maps positions through the page table)."""
     b, n = idx.shape
     hkv, d = store_k.shape[2], store_k.shape[3]
     half = cos.shape[1]
@@ -71,7 +74,7 @@ def gather_rope_write(store_k, store_v, work_k, work_v, idx, cos, sin, *, interl
         raise ValueError(f"the Pallas gather-RoPE-write needs a power-of-two rotary half width, got {half}")
     block_rows = min(block_rows, 1 << max(0, (n - 1).bit_length()))
     kernel = functools.partial(_kernel, block_rows=block_rows, n_rows=n, half=half, head_dim=d,
-                               interleaved=interleaved)
+                               interleaved=interleaved, shared=store_k.shape[0] != b)
     return pl.pallas_call(
         kernel,
         grid=(b, pl.cdiv(n, block_rows), hkv),

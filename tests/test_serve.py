@@ -155,6 +155,8 @@ def test_engine_isolates_a_failing_request(pair, prompts):
 
     target, draft, _ = pair
     engine = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk=CHUNK))
+    pages, start = {}, engine._start  # each request's pages when it starts decoding
+    engine._start = lambda a: (pages.__setitem__(a.req.id, engine.pager.page_table(a.req.id)), start(a))
     frozen = gc.get_freeze_count()
     engine.start()
     try:
@@ -183,13 +185,20 @@ def test_engine_isolates_a_failing_request(pair, prompts):
             assert reqs[j].tokens == _reference(pair, reqs[j].prompt_ids, n_new[j], stop_token_ids=())
         m = engine.metrics()
         assert m["healthy"] and m["slots_used"] == 0 and m["compiles_after_warmup"] == 0
-        # the long prompt was prefilled chunk by chunk while the other slot decoded: its KV rows are a prefill's
-        from diffspec_jax import target as tgt
+        # the long prompt was prefilled chunk by chunk while the other slot decoded: its KV rows (read through the
+        # pages it held, which keep their contents once freed) are a prefill's
+        import jax.numpy as jnp
 
-        p, slot = reqs[2].prompt_ids, reqs[2].slot
+        from diffspec_jax import target as tgt
+        from diffspec_jax.cache import page_view
+
+        p = reqs[2].prompt_ids
         _, alone = tgt.prefill(target, tgt.create_cache(target, 1, engine.capacity), [p], chunk=CHUNK)
+        table = np.full((1, engine.max_pages), engine.num_pages, np.int32)
+        table[0, :len(pages[reqs[2].id])] = pages[reqs[2].id]
         for got, want in zip(engine._state.target_cache.k, alone.k):
-            assert rel_err(np.asarray(got[slot, :, :len(p)]), np.asarray(want[0, :, :len(p)])) < 1e-5
+            view = page_view(got, jnp.asarray(table), engine.page_size)
+            assert rel_err(np.asarray(view[0, :, :len(p)]), np.asarray(want[0, :, :len(p)])) < 1e-5
     finally:
         engine.stop()
 

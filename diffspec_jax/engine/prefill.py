@@ -45,7 +45,8 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
         z, _ = eagle3.entry_inputs(plan.draft, dparams, next_tokens, out.aux, from_target=True,
                                    axis_name=plan.draft_axis)
         _, k, v = eagle3.qkv(dparams, z)
-        dcache = working_cache.commit(plan.draft, plan.spec, state.draft_cache, k, v, positions)
+        dcache = working_cache.commit(plan.draft, plan.spec, state.draft_cache, k, v, positions,
+                                      pages=tcache.pages, page_size=tcache.page_size)
         state = state.replace(draft_cache=dcache)
         ret = state.retrieval
         if ret is not None and ret.chunk_sum is not None:  # entry P-1 is committed later, by the first step 0

@@ -37,7 +37,8 @@ def _draft_root(plan: Plan, dparams, state: DecodeState, active):
     z, residual = eagle3.entry_inputs(dc, dparams, state.pend_tokens, state.pend_feats, from_target=True,
                                       axis_name=ax)
     q, k, v = eagle3.qkv(dparams, z)
-    cache = working_cache.commit(dc, spec, state.draft_cache, k, v, positions)
+    paged = dict(pages=state.target_cache.pages, page_size=state.target_cache.page_size)
+    cache = working_cache.commit(dc, spec, state.draft_cache, k, v, positions, **paged)
     ret = state.retrieval
     if ret is not None and ret.chunk_sum is not None:
         valid = (jnp.arange(k1)[None, :] < state.pend_count[:, None]) & active[:, None]
@@ -52,7 +53,7 @@ def _draft_root(plan: Plan, dparams, state: DecodeState, active):
         anchors = ret.anchors if plan.diffspec else None
         idx, n, window = working_cache.history_indices(anchors, root, spec.context.chunk_size,
                                                        working_cache.history_slots(spec))
-        cache = working_cache.gather_rope_write(dc, cache, idx)
+        cache = working_cache.gather_rope_write(dc, cache, idx, **paged)
         local = n[:, None]
         cache = working_cache.write_slots(cache, eagle3.rope(dc, k_r, local), v_r, local)
     else:  # full: the store is the working cache at absolute positions; commit already placed the root

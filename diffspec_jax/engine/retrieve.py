@@ -18,7 +18,8 @@ def _select_anchors(plan: Plan, tparams, dparams, state: DecodeState) -> jax.Arr
     c = spec.context.chunk_size
     root = state.length - 1
     if spec.context.scorer == "attention":  # each shard sums its query heads; one psum gives identical scores
-        k_cache = state.target_cache.layer_keys(plan.score_layer)
+        tc = state.target_cache  # a paged cache: the scoring layer's keys gathered through the page table
+        k_cache = tc.layer_view(tc.layer_keys(plan.score_layer))
         scores = dispatch.chunk_scores(ret.score_q, ret.score_lse, k_cache, root, chunk=c)
         if plan.tp_axis is not None:
             scores = jax.lax.psum(scores, plan.tp_axis)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from diffspec_jax import retrieval, sharding, working_set
-from diffspec_jax.cache import HybridCache, KVCache, create_cache
+from diffspec_jax.cache import HybridCache, KVCache, create_cache, create_paged_cache
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.models import family
 from diffspec_jax.sampling import SamplingRows
@@ -78,6 +78,9 @@ class Plan:
     mesh: Mesh | None = None
     draft_tp: int = 1
     self_draft: bool = False  # the target drafts for itself over its working set (engine.self_draft)
+    #: ``(num_pages, page_size)``: the target's K/V (and the draft's store) live in a pool of pages shared by every
+    #: row, addressed through the cache's page table (the server); ``capacity`` is then the page table's reach
+    paging: tuple[int, int] | None = None
 
     @property
     def kernels(self) -> str:
@@ -164,9 +167,19 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) ->
                               jnp.float32),
             chunk_sum=(jnp.zeros((batch, plan.num_chunks, kv_d, dc.head_dim), jnp.float32)
                        if plan.spec.context.needs_summaries else None))
+    if plan.paging is None:
+        tcache, pool_rows = create_cache(tc, batch, plan.capacity, target_dtype, tp=plan.tp), None
+    else:
+        num_pages, page_size = plan.paging
+        if plan.capacity % page_size:
+            raise ValueError(f"a paged capacity ({plan.capacity}) must be whole pages of {page_size}")
+        tcache = create_paged_cache(tc, batch, num_pages, page_size, plan.capacity // page_size, target_dtype,
+                                    tp=plan.tp)
+        pool_rows = num_pages * page_size
     return DecodeState(
-        target_cache=create_cache(tc, batch, plan.capacity, target_dtype, tp=plan.tp),
-        draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype, num_kv_heads=kv_d)
+        target_cache=tcache,
+        draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype, num_kv_heads=kv_d,
+                                      pool_rows=pool_rows)
         if dc is not None else working_set.WorkingSet.create(tc, plan.spec, batch, target_dtype, tp=plan.tp)
         if plan.self_draft and plan.spec.uses_working_cache else None,
         retrieval=ret,

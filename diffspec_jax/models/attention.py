@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-from diffspec_jax.cache import ATTENTION_TILE, write_rows
+from diffspec_jax.cache import ATTENTION_TILE, page_view, write_paged, write_rows
 from diffspec_jax.models.layers import NEG_INF, attention_dense, attention_prefix, attention_tiled, merge_attention
 from pallas_kernels import cache_attention as cache_attention_kernel
 from pallas_kernels.common import kernel_backend
@@ -65,12 +65,17 @@ def fast_path() -> bool:
     return kernel_backend() == "pallas"
 
 
-def run_cache_attention(q, k, v, lengths, *, scale, causal=False):
+def run_cache_attention(q, k, v, lengths, *, scale, causal=False, pages=None, page_size=0):
     """:func:`pallas_kernels.cache_attention.cache_attention` or its reference
     :func:`~diffspec_jax.models.layers.attention_prefix` (same contract: ``(out, lse)`` over the committed prefix,
-    and with ``causal`` over the chain block written after it), by :func:`fast_path`."""
+    and with ``causal`` over the chain block written after it), by :func:`fast_path`. With ``pages`` (a paged
+    cache: ``k``, ``v`` are pools ``[1, Hkv, N * P, D]``) the kernel reads the pool through the page table; the
+    reference reads the gathered per-sequence view."""
     if fast_path():
-        return cache_attention_kernel.cache_attention(q, k, v, lengths, scale=scale, causal=causal)
+        return cache_attention_kernel.cache_attention(q, k, v, lengths, scale=scale, causal=causal, pages=pages,
+                                                      page_size=page_size)
+    if pages is not None:
+        k, v = page_view(k, pages, page_size), page_view(v, pages, page_size)
     return attention_prefix(q, k, v, lengths, scale, causal=causal)
 
 
@@ -162,11 +167,16 @@ def flash_causal(q, k, v, scale):
 
 
 def write_block(k: jax.Array, v: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, *,
-                prefix: bool = True) -> tuple[jax.Array, jax.Array]:
+                prefix: bool = True, pages: jax.Array | None = None, page_size: int = 0
+                ) -> tuple[jax.Array, jax.Array]:
     """A step's new K/V ``[B, T, Hkv, D]`` written into the layer's ``[B, Hkv, S, D]`` buffers at rows
     ``start .. start + T - 1`` (rows past the buffer are dropped). ``prefix=False`` (static) promises ``start == 0``
-    for every row (a prompt's first prefill chunk): one in-place slice update instead of a scatter."""
+    for every row (a prompt's first prefill chunk): one in-place slice update instead of a scatter. With ``pages``
+    the buffers are pools and the rows go through the page table (:func:`diffspec_jax.cache.write_paged`)."""
     t = k.shape[1]
+    if pages is not None:
+        slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
+        return (write_paged(k_buf, k, pages, slots, page_size), write_paged(v_buf, v, pages, slots, page_size))
     if not prefix and t <= k_buf.shape[2]:
         kb = jax.lax.dynamic_update_slice_in_dim(k_buf, jnp.swapaxes(k, 1, 2).astype(k_buf.dtype), 0, axis=2)
         vb = jax.lax.dynamic_update_slice_in_dim(v_buf, jnp.swapaxes(v, 1, 2).astype(v_buf.dtype), 0, axis=2)
@@ -177,7 +187,8 @@ def write_block(k: jax.Array, v: jax.Array, k_buf: jax.Array, v_buf: jax.Array, 
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, v_buf: jax.Array,
                     start: jax.Array, scale: float, *, positions: jax.Array | None = None,
-                    block_mask: jax.Array | None = None, prefix: bool = True):
+                    block_mask: jax.Array | None = None, prefix: bool = True, pages: jax.Array | None = None,
+                    page_size: int = 0):
     """Write a step's new K/V into the layer's buffers and attend its queries over prefix + block.
 
     Args:
@@ -191,36 +202,43 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
         prefix: static; ``False`` promises ``start == 0`` for every row (a prompt's first prefill chunk): its rows
             are written by one slice update (no scatter), and the fast path skips the prefix attention and the
             merge. Decode and verification steps ignore it.
+        pages, page_size: a paged cache (:class:`diffspec_jax.cache.KVCache`): ``k_buf``, ``v_buf`` are the
+            layer's pools ``[1, Hkv, N * P, D]`` and ``pages [B, max_pages]`` maps positions to pool rows. Decode,
+            verification and tree blocks read the pool through the table (the Pallas kernel; the references read
+            the gathered view); a prefill chunk over a prefix reads the gathered view of its prefix.
     Returns:
         ``((out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32), k_buf, v_buf)``.
     """
     b, t = q.shape[:2]
     slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     positions = slots if positions is None else positions
-    kb, vb = write_block(k, v, k_buf, v_buf, start, prefix=prefix)
+    kb, vb = write_block(k, v, k_buf, v_buf, start, prefix=prefix, pages=pages, page_size=page_size)
+    paged = dict(pages=pages, page_size=page_size)
+    view = (lambda buf: buf) if pages is None else (lambda buf: page_view(buf, pages, page_size))  # noqa: E731
     dense = t <= DENSE_ATTENTION_MAX_TOKENS
     if not dense and block_mask is not None:
         raise ValueError(f"a block of {t} > {DENSE_ATTENTION_MAX_TOKENS} tokens must be causal (prefill)")
     # the flash prefill needs cuDNN (GPU, bf16/fp16); on a CPU its XLA stand-ins run (tests of the decomposition);
     # a TPU runs its prefill chunks on splash attention whatever the kernel choice (the Pallas kernels are GPU ones)
-    splash = not dense and _splash_ok(q, kb.shape[2])
+    capacity = kb.shape[2] if pages is None else pages.shape[1] * page_size
+    splash = not dense and _splash_ok(q, capacity)
     flash = dense or _cudnn_ok(q) or jax.default_backend() != "gpu"
     if not (fast_path() or splash) or not flash:
         if dense:
-            mask = full_mask(start, causal_block_mask(b, t) if block_mask is None else block_mask, kb.shape[2])
-            return attention_dense(q, kb, vb, mask, scale, heads_first=True), kb, vb
-        return attention_tiled(q, kb, vb, positions, scale, min(ATTENTION_TILE, kb.shape[2]), heads_first=True), \
-            kb, vb
+            mask = full_mask(start, causal_block_mask(b, t) if block_mask is None else block_mask, capacity)
+            return attention_dense(q, view(kb), view(vb), mask, scale, heads_first=True), kb, vb
+        return attention_tiled(q, view(kb), view(vb), positions, scale, min(ATTENTION_TILE, capacity),
+                               heads_first=True), kb, vb
     if dense and block_mask is None:  # a chain: one kernel over the prefix and the block just written
-        return run_cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale, causal=True), kb, vb
+        return run_cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale, causal=True, **paged), kb, vb
     if dense:  # a tree block: the prefix by the kernel, the block under its ancestry mask, merged
-        prefix = run_cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale)
+        prefix = run_cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale, **paged)
         block = attention_dense(q, k, v, block_mask, scale)
         out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
         return (out.astype(q.dtype), lse), kb, vb
     block = flash_causal(q, k.astype(q.dtype), v.astype(q.dtype), scale)
     if not prefix:  # a prompt's first chunk: nothing before it, nothing to merge
         return (block[0].astype(q.dtype), block[1]), kb, vb
-    before = flash_prefix(q, kb, vb, start, scale)
+    before = flash_prefix(q, view(kb), view(vb), start, scale)
     out, lse = merge_attention(before[0], before[1], block[0], block[1])
     return (out.astype(q.dtype), lse), kb, vb

@@ -231,14 +231,15 @@ def _attention_block(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.Arr
 
 def _last_layer_at_rows(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
                         rows: jax.Array, k_buf: jax.Array, v_buf: jax.Array, start: jax.Array, scale: float, *,
-                        prefix: bool, axis_name: str | None):
+                        prefix: bool, axis_name: str | None, paged: dict):
     """The last layer of a prefill chunk whose one output row per sequence (``rows [B, 1]``, the prompt's last
     position) is all that leaves the model: every token's K and V are written into the cache, but the query,
     attention, output projection and MLP run for that row alone (the rest of the chunk's rows would feed no
     later layer). At 64K tokens on an H200 that is one layer's flash attention and MLP, about 3% of the prefill.
 
     The row attends to cache rows ``0 .. start + rows`` (its causal prefix, the chunk's rows before it included)
-    through the decode kernel (:func:`~diffspec_jax.models.attention.run_cache_attention`).
+    through the decode kernel (:func:`~diffspec_jax.models.attention.run_cache_attention`); ``paged`` holds the
+    cache's ``pages`` and ``page_size`` (both ``None`` / 0 for a contiguous cache).
 
     Returns ``(x at the rows [B, 1, H] (after the layer), its rotated query [B, 1, Hq, D], its lse [B, 1, Hq],
     k_buf, v_buf)``.
@@ -252,8 +253,8 @@ def _last_layer_at_rows(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.
         q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
     q = apply_rope(q, at(cos), at(sin), interleaved=config.rope.interleaved)
     k = apply_rope(k, cos, sin, interleaved=config.rope.interleaved)
-    kb, vb = write_block(k, v, k_buf, v_buf, start, prefix=prefix)
-    out, lse = run_cache_attention(q, kb, vb, (start + rows[:, 0] + 1).astype(jnp.int32), scale=scale)
+    kb, vb = write_block(k, v, k_buf, v_buf, start, prefix=prefix, **paged)
+    out, lse = run_cache_attention(q, kb, vb, (start + rows[:, 0] + 1).astype(jnp.int32), scale=scale, **paged)
     o = jnp.einsum("btnd,ndh->bth", out, lp["wo"])
     if axis_name is not None:
         o = jax.lax.psum(o, axis_name)
@@ -365,12 +366,13 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
     # a prefill chunk needs its last layer at the output rows only (decode, verification and trees need every row)
     rows_only = t > DENSE_ATTENTION_MAX_TOKENS and rows.shape[1] == 1 and tree is None and rope_positions is None
     last = len(params["layers"]) - 1
+    paged = dict(pages=cache.pages, page_size=cache.page_size)
     for i, lp in enumerate(params["layers"]):
         aux.extend((j, x) for j, a in enumerate(aux_layers) if a == i)
         k_buf, v_buf = cache.k[i], cache.v[i]
         if rows_only and i == last:
             x, q, lse, kb, vb = _last_layer_at_rows(config, lp, x, cos, sin, rows, k_buf, v_buf, start, scale,
-                                                    prefix=not first_chunk, axis_name=axis_name)
+                                                    prefix=not first_chunk, axis_name=axis_name, paged=paged)
             new_k.append(kb)
             new_v.append(vb)
             if i == score_layer:
@@ -379,7 +381,7 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
 
         def attend(q, k, v, k_buf=k_buf, v_buf=v_buf):
             out, kb, vb = cache_attention(q, k, v, k_buf, v_buf, start, scale, positions=positions,
-                                          block_mask=block_mask, prefix=not first_chunk)
+                                          block_mask=block_mask, prefix=not first_chunk, **paged)
             new_k.append(kb)
             new_v.append(vb)
             return out
@@ -392,5 +394,5 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
     logits = _lm_head(config, params, x if rows_only else jnp.take_along_axis(x, rows[:, :, None], axis=1),
                       axis_name)
     aux_out = concat_aux(aux, aux_layers, len(params["layers"]))
-    return StepOutput(logits=logits, aux=aux_out, score_q=score_q, score_lse=score_lse), KVCache(
+    return StepOutput(logits=logits, aux=aux_out, score_q=score_q, score_lse=score_lse), cache.replace(
         k=tuple(new_k), v=tuple(new_v))

@@ -447,7 +447,8 @@ def step(config: ModelConfig, params: Params, cache: HybridCache, tokens: jax.Ar
 
             def attend(q, k, v, slot=slot):
                 out, new_k[slot], new_v[slot] = cache_attention(q, k, v, new_k[slot], new_v[slot], start, scale,
-                                                                positions=positions, prefix=not first_chunk)
+                                                                positions=positions, prefix=not first_chunk,
+                                                                pages=cache.pages, page_size=cache.page_size)
                 return out
 
             o, q, lse = _attention_block(config, lp, h, cos, sin, attend, axis_name)

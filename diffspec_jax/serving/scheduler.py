@@ -54,13 +54,14 @@ import jax
 import numpy as np
 
 from diffspec_jax.config import SamplingConfig, SpecConfig
-from diffspec_jax.engine.compile import _CompileClock, _Program, capacity_bucket, enable_compilation_cache
+from diffspec_jax.engine.compile import _CompileClock, _Program, enable_compilation_cache
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.slots import init_slots, new_acc
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
+from diffspec_jax.paging import OutOfPages, PageManager
 from diffspec_jax.sampling import seed_key
 from diffspec_jax.target import REFERENCE_PREFILL_CHUNK, TargetModel, check_token_ids
 from diffspec_jax.validation import check_bool, check_int, check_real
@@ -109,6 +110,13 @@ class EngineConfig:
             :meth:`SlotEngine.submit` refuses more [256].
         request_timeout: seconds a request may take from submission to its last token (``None``: no limit)
             [600].
+        block_size: tokens per page of the paged K/V pool (a power of two, 16 to 256) [64].
+        num_kv_blocks: pages in the pool (``None``: sized by ``kv_cache_memory_fraction`` on a device that reports
+            its memory, else what ``max_num_seqs`` requests of ``max_model_len`` tokens need) [None].
+        kv_cache_memory_fraction: the share of the device's memory the process may fill; the pool gets what is left
+            of it after the weights [0.9].
+        prefix_caching: reuse the K/V (and the draft's store) of full pages whose tokens a new request repeats
+            [True; off for hybrid targets and the draft's ``full`` policy, whose state is not all in pages].
     """
 
     max_num_seqs: int = 8
@@ -118,6 +126,10 @@ class EngineConfig:
     max_prefill_per_block: int | None = None
     max_waiting: int = 256
     request_timeout: float | None = 600.0
+    block_size: int = 64
+    num_kv_blocks: int | None = None
+    kv_cache_memory_fraction: float = 0.9
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         check_int(self.max_num_seqs, "max_num_seqs", min=1, max=4096)
@@ -127,6 +139,12 @@ class EngineConfig:
         check_int(self.max_prefill_per_block, "max_prefill_per_block", min=1, none_ok=True)
         check_int(self.max_waiting, "max_waiting", min=0)
         check_real(self.request_timeout, "request_timeout", min=0.0, min_open=True, none_ok=True)
+        check_int(self.block_size, "block_size", min=16, max=256)
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two (16 to 256), got {self.block_size}")
+        check_int(self.num_kv_blocks, "num_kv_blocks", min=1, none_ok=True)
+        check_real(self.kv_cache_memory_fraction, "kv_cache_memory_fraction", min=0.0, max=1.0, min_open=True)
+        check_bool(self.prefix_caching, "prefix_caching")
 
 
 @dataclass(frozen=True)
@@ -188,6 +206,7 @@ class Event:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     status: int | None = None
     message: str | None = None
     error_type: str | None = None
@@ -214,6 +233,10 @@ class Request:
         self.finish_reason: str | None = None
         self.slot: int | None = None
         self.phase: str | None = None  # None (waiting), "prefill", "decode"
+        self.cached_tokens: int | None = None  # prompt tokens served from the prefix cache (first admission)
+        self.preemptions = 0
+        self.admitted_seq = 0  # the engine's admission counter when it last joined a slot
+        self.committed = 0  # positions of its current admission committed to the page manager
         self.first_token_at: float | None = None
         self.cycles = 0
         self.accepted = 0
@@ -225,10 +248,12 @@ class _Admission:
 
     req: Request
     slot: int
-    tokens: np.ndarray  # int32 [n_chunks * W + 1], zero padded
+    tokens: np.ndarray  # int32 [n_chunks * W + 1]: the context from ``start`` on, zero padded
     n_chunks: int
     acc: Any
     chunk: int = 0
+    start: int = 0  # the first position prefilled (the prefix before it is served from cached pages)
+    length: int = 0  # the context's tokens: the prompt, and after a preemption the tokens generated before it
 
 
 class SlotEngine:
@@ -264,14 +289,36 @@ class SlotEngine:
         if self.max_model_len > tc.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the target's context window "
                               f"(max_position_embeddings {tc.max_position_embeddings})")
-        capacity = capacity_bucket(self.max_model_len + k_block + 1, tc.max_position_embeddings + k_block + 1)
-        # capacity >= max_model_len + k_block + 1: what slots.parked_length relies on
+        self.num_slots = b = config.max_num_seqs
+        # the page table reaches max_model_len + the verify block, plus whole pages never allocated that hold a
+        # parked slot's masked writes (slots.parked_length)
+        psize = self.page_size = config.block_size
+        self.k_block = k_block
+        capacity = (-(-(self.max_model_len + k_block + 1) // psize) + -(-(k_block + 1) // psize)) * psize
+        self.max_pages = capacity // psize
+        self.num_pages = self._pool_pages(target, draft, spec, config, capacity)
+        need = -(-(self.max_model_len + k_block + 1) // psize)
+        if self.num_pages < need:
+            raise ConfigError(f"the KV pool has {self.num_pages} pages of {psize} tokens, fewer than one request of "
+                              f"max_model_len {self.max_model_len} needs ({need}): lower max_model_len or give the "
+                              f"pool more pages (num_kv_blocks, kv_cache_memory_fraction)")
         # the stop ids are inputs of the device loop, not part of its programs (as in generate())
         self.plan = plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                                 draft=draft.config if speculative else None, spec=spec,
                                 sampling=SamplingConfig(), aux_layers=draft.aux_layers if speculative else (),
-                                capacity=capacity)
-        self.num_slots = b = config.max_num_seqs
+                                capacity=capacity, paging=(self.num_pages, psize))
+        # prefix reuse needs every per-request state in pages: not the recurrent states of a hybrid target, the
+        # draft's full-policy working cache (rows per slot) or the salience scorer's chunk summaries
+        reusable = not (tc.is_hybrid or (speculative and not spec.uses_working_cache)
+                        or (plan.diffspec and spec.context.needs_summaries))
+        self.prefix_caching = config.prefix_caching and reusable
+        self._namespace = f"{target.config}|{target.dtype}|{draft.config if speculative else None}"
+        self.pager = PageManager(self.num_pages, psize, prefix_caching=self.prefix_caching, namespace=self._namespace)
+        #: the draft's store lags the committed length by the pending entries (projected at the next draft step 0)
+        self._store_lag = k + 1 if speculative and spec.uses_working_cache else 0
+        self._table = np.full((b, self.max_pages), self.num_pages, np.int32)
+        self._table_dirty = True
+        self._admitted = 0  # admission counter: preemption takes the most recently admitted request
         width = config.prefill_chunk or (GPU_PREFILL_CHUNK if jax.default_backend() == "gpu"
                                          else REFERENCE_PREFILL_CHUNK)
         self.prefill_chunk = min(width, capacity)
@@ -321,6 +368,26 @@ class SlotEngine:
         self.gc_full_collections, self.gc_pause_s, self.gc_pause_max_s = 0, 0.0, 0.0
         self._gc_started: float | None = None
         self._state = self._loop = None
+
+    @staticmethod
+    def _pool_pages(target, draft, spec: SpecConfig, config: EngineConfig, capacity: int) -> int:
+        """Pages of the K/V pool: ``num_kv_blocks``, else what ``kv_cache_memory_fraction`` of the device's memory
+        holds beside what is in use (the weights), else (a device that does not report its memory, e.g. a CPU)
+        what ``max_num_seqs`` requests of the full capacity need, as fixed slots reserved."""
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        fixed = config.max_num_seqs * (capacity // config.block_size)
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" not in stats:
+            return fixed
+        tc = target.config
+        layers = len(tc.full_attention_layers) if tc.is_hybrid else tc.num_hidden_layers
+        per_token = 2 * layers * tc.num_key_value_heads * tc.head_dim * np.dtype(target.dtype).itemsize
+        if draft is not None and spec.uses_working_cache:
+            dc = draft.config
+            per_token += 2 * dc.num_key_value_heads * dc.head_dim * np.dtype(target.dtype).itemsize
+        room = config.kv_cache_memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        return max(1, min(int(room // (per_token * config.block_size)), fixed))
 
     # ------------------------------------------------------------------------------------------- public API
     @property
@@ -398,6 +465,7 @@ class SlotEngine:
             raise InputError(f"this model's maximum context length is {self.max_model_len} tokens; the request has "
                              f"{prompt_tokens} prompt tokens and max_tokens {max_tokens} ({prompt_tokens + max_tokens}"
                              f" in all): shorten the prompt or lower max_tokens")
+        # (the pool holds at least one max_model_len request: checked at construction)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe): it leaves the queue or its slot; its sink gets ``finish`` with
@@ -417,8 +485,12 @@ class SlotEngine:
         running = sum(1 for r in self.slots if r is not None)
         queued = max(0, queued)
         cycles = c.get("cycles", 0)
+        pages = self.pager.stats
         return {"requests_running": running, "requests_waiting": queued, "slots_used": running,
                 "slots_total": self.num_slots, "tokens_per_s": recent / span if span > 0 else 0.0,
+                "kv_blocks_used": pages.used, "kv_blocks_cached": pages.evictable, "kv_blocks_total": pages.total,
+                "kv_block_size": self.page_size, "prefix_cache_queries": pages.prefix_queries,
+                "prefix_cache_hits": pages.prefix_hits, "prefix_caching": self.prefix_caching,
                 "mean_acceptance_length": (c.get("accepted", 0) + cycles) / cycles if cycles else None,
                 "policy": self.policy, "compiles": self.compiles, "compile_s": self.clock.seconds,
                 "xla_compiles": self.xla_compiles,
@@ -471,6 +543,9 @@ class SlotEngine:
             self._read_one()
         self._chunks_since_block = 0
         self.counters.clear()
+        # a fresh page manager: the warm-up's pages are all free, its prefix-cache counters gone
+        self.pager = PageManager(self.num_pages, self.page_size, prefix_caching=self.prefix_caching,
+                                 namespace=self._namespace)
         with self._lock:  # the warm-up requests went around submit(): every slot is free again
             self._rate.clear()
             self._queued, self._free = 0, self.num_slots
@@ -515,6 +590,8 @@ class SlotEngine:
         self._admit()
         did = self._prefill()
         if not self._forming and self._decoding():
+            self._make_room()
+        if not self._forming and self._decoding():
             self._dispatch_block()
             did = True
             # everything dispatched before this block is read now: one block behind, never two (module docstring)
@@ -556,23 +633,100 @@ class SlotEngine:
 
     # admission ------------------------------------------------------------------------------------------
     def _admit(self) -> None:
-        """Every waiting request a free slot can take joins one (its slot reset, its prompt laid out in chunks).
+        """Every waiting request that a free slot and the page pool can take joins, in order (its slot reset, its
+        pages taken, the cached run of its prompt's full pages reused, the rest laid out in prefill chunks).
         Admissions that begin while no slot decodes form a wave (see the module docstring)."""
         while self._waiting and None in self.slots:
-            req = self._waiting.popleft()
+            req = self._waiting[0]
+            ids = self._context(req)
+            if not self.pager.can_admit(ids):
+                if not any(self.slots):  # nothing will free pages: cannot happen (construction checks one fits)
+                    raise RuntimeError(f"request {req.id} does not fit an idle KV pool")
+                return
+            self._waiting.popleft()
             with self._lock:
                 self._queued -= 1
                 self._free -= 1
             slot = self.slots.index(None)
             self.slots[slot], req.slot, req.phase = req, slot, "prefill"
+            adm = self.pager.admit(req.id, ids)
+            req.committed = adm.cached_tokens
+            if req.cached_tokens is None:
+                req.cached_tokens = adm.cached_tokens
+            self._set_table(slot, adm.pages)
+            self._admitted += 1
+            req.admitted_seq = self._admitted
             p = req.params
             self._state = self._progs.reset(self.clock, self._state, np.int32(slot), np.float32(p.temperature),
                                             np.int32(p.top_k), np.float32(p.top_p), seed_key(req.seed))
-            w = self.prefill_chunk
-            n = -(-len(req.prompt_ids) // w)
+            w, start = self.prefill_chunk, adm.cached_tokens
+            n = -(-(len(ids) - start) // w)
             tokens = np.zeros(n * w + 1, np.int32)
-            tokens[:len(req.prompt_ids)] = req.prompt_ids
-            self._admissions[slot] = _Admission(req, slot, tokens, n, self._acc(self.clock))
+            tokens[:len(ids) - start] = ids[start:]
+            self._admissions[slot] = _Admission(req, slot, tokens, n, self._acc(self.clock), start=start,
+                                                length=len(ids))
+
+    @staticmethod
+    def _context(req: Request) -> np.ndarray:
+        """The tokens a request's slot must hold before it decodes on: its prompt, and after a preemption the
+        tokens it had generated (recomputed, so greedy output is unchanged)."""
+        return np.asarray(req.prompt_ids + req.tokens, np.int32)
+
+    def _commit(self, req: Request, computed: int) -> None:
+        """Tell the page manager that ``req``'s positions below ``computed`` are final (never moving backwards, never
+        past its pages): its full pages there join the prefix cache."""
+        held = len(self.pager.page_table(req.id)) * self.page_size
+        req.committed = max(req.committed, min(computed, held))
+        self.pager.commit(req.id, self._context(req), req.committed)
+
+    def _set_table(self, slot: int, pages: Sequence[int]) -> None:
+        self._table[slot] = self.num_pages  # unallocated
+        self._table[slot, :len(pages)] = pages
+        self._table_dirty = True
+
+    def _sync_table(self) -> None:
+        """The host's page table into the device state (before a program that reads or writes the cache)."""
+        if self._table_dirty:
+            tc = self._state.target_cache
+            self._state = self._state.replace(target_cache=tc.replace(pages=jax.device_put(self._table.copy())))
+            self._table_dirty = False
+
+    def _grow(self, req: Request, length: int) -> bool:
+        """Pages so ``req`` covers ``length`` positions; when the pool is short, preempt the most recently admitted
+        requests (``req`` itself last). Returns whether ``req`` still holds its slot."""
+        while True:
+            try:
+                new = self.pager.grow(req.id, length)
+            except OutOfPages:
+                victims = [r for r in self.slots if r is not None and r is not req]
+                victim = max(victims, key=lambda r: r.admitted_seq) if victims else req
+                if victim.admitted_seq < req.admitted_seq:
+                    victim = req
+                self._preempt(victim)
+                if victim is req:
+                    return False
+                continue
+            if new:
+                self._set_table(req.slot, self.pager.page_table(req.id))
+            return True
+
+    def _preempt(self, req: Request) -> None:
+        """Free ``req``'s slot and pages and put it back at the front of the queue: it is admitted again later and
+        recomputes its prompt and the tokens it generated (which it keeps: nothing is delivered twice)."""
+        self._leave(req, release=True)  # its completed pages stay cached: its own re-admission may reuse them
+        req.finished, req.slot, req.phase = False, None, None
+        req.preemptions += 1
+        self._waiting.appendleft(req)
+        with self._lock:
+            self._queued += 1
+        self._bump("preemptions", 1)
+
+    def _reserve(self, req: Request) -> int:
+        """Positions ``req`` may write before the host reads its next results: its committed length, two blocks of
+        accepted tokens (one in flight, one being dispatched) and a verify block, capped at its token limit."""
+        known = len(req.prompt_ids) + len(req.tokens)
+        ahead = 2 * self.block_cycles * (self.plan.k + 1) + self.k_block + 1
+        return min(known + ahead, len(req.prompt_ids) + req.params.max_tokens + self.k_block + 1)
 
     def _prefill(self) -> bool:
         """Dispatch prefill chunks, the admission with the fewest chunks left first: while a wave forms, every
@@ -611,12 +765,14 @@ class SlotEngine:
     def _prefill_chunk(self, a: _Admission) -> None:
         w = self.prefill_chunk
         s = a.chunk * w
-        length = np.array([len(a.req.prompt_ids)], np.int32)
+        length = np.array([a.length], np.int32)
         # the fast attention skips a first chunk's empty prefix; the reference has nothing to skip (one program)
-        chunk = self._progs.prefill_first if a.chunk == 0 and self.plan.kernels == "pallas" else self._progs.prefill
+        first = a.chunk == 0 and a.start == 0 and self.plan.kernels == "pallas"
+        chunk = self._progs.prefill_first if first else self._progs.prefill
+        self._sync_table()
         self._state, a.acc, mark = chunk(self.clock, self.tparams, self.dparams, self._state, a.acc,
                                          np.int32(a.slot), a.tokens[None, s:s + w],
-                                         a.tokens[None, s + 1:s + w + 1], np.array([s], np.int32), length)
+                                         a.tokens[None, s + 1:s + w + 1], np.array([a.start + s], np.int32), length)
         a.chunk += 1
         self._chunks_since_block += 1
         if self._forming:
@@ -625,9 +781,15 @@ class SlotEngine:
 
     def _start(self, a: _Admission) -> None:
         req, slot, plan = a.req, a.slot, self.plan
-        length = np.array([len(req.prompt_ids)], np.int32)
+        if self.slots[slot] is not req:  # preempted while it waited to start (an earlier start took its pages)
+            return
+        length = np.array([a.length], np.int32)
         n = int(length[0])
         p = req.params
+        # the context's full pages are final (with a draft store: below its last position, whose entry is pending)
+        self._commit(req, n - 1 if self._store_lag else n)
+        if not self._grow(req, self._reserve(req)):
+            return
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
         self._stopsets[slot] = frozenset(stops)
         self._stops[slot] = -1
@@ -640,14 +802,24 @@ class SlotEngine:
         if self._ctl is not None:
             self._ctl.reset(slot)
         self._host_len[slot] = n
+        self._sync_table()
         self._state, self._loop, first, anchors = self._progs.start(
             self.clock, self.tparams, self.dparams, self._state, self._loop, a.acc, np.int32(slot), length,
-            np.int32(p.max_tokens), self._stops[slot].copy(), np.bool_(retrieve), np.int32(depth), np.int32(floor))
+            np.int32(p.max_tokens - len(req.tokens)), self._stops[slot].copy(), np.bool_(retrieve), np.int32(depth),
+            np.int32(floor))
         req.phase = "decode"
         self._pending.append(("start", req, slot, first, anchors, retrieve))
 
     # decoding -------------------------------------------------------------------------------------------
+    def _make_room(self) -> None:
+        """Pages for what every decoding request may write in the next block (:meth:`_reserve`), preempting the
+        most recently admitted requests when the pool runs short."""
+        for req in [r for r in self.slots if r is not None and r.phase == "decode"]:
+            if req.slot is not None and self.slots[req.slot] is req:  # (an earlier growth may have preempted it)
+                self._grow(req, self._reserve(req))
+
     def _dispatch_block(self) -> None:
+        self._sync_table()
         caps, budget = self._shape.block_inputs(np.arange(self.num_slots))
         owners = [r if r is not None and r.phase == "decode" else None for r in self.slots]
         self._state, self._loop, res = self._block(self.clock, self.tparams, self.dparams, self._state, self._loop,
@@ -684,13 +856,14 @@ class SlotEngine:
                 self._bump("retrievals", 1)
             elif not self.spec.context.retrieve_after_prefill:
                 self._ctl.skip_prefill(slot)
-        req.first_token_at = time.monotonic()
-        self._bump("prompt_tokens", len(req.prompt_ids))
+        if req.first_token_at is None:
+            req.first_token_at = time.monotonic()
+            self._bump("prompt_tokens", len(req.prompt_ids))
         self._deliver(req, [first])
         if self._current(req, slot):
             if first in self._stopsets[slot]:
                 self._finish(req, "stop", release=False)
-            elif req.params.max_tokens <= 1:
+            elif len(req.tokens) >= req.params.max_tokens:
                 self._finish(req, "length", release=False)
 
     def _read_block(self, res, owners: list) -> None:
@@ -743,7 +916,8 @@ class SlotEngine:
 
     # leaving ----------------------------------------------------------------------------------------------
     def _leave(self, req: Request, release: bool) -> None:
-        """Take ``req`` out of the queue or its slot (``release``: mark the slot done on the device)."""
+        """Take ``req`` out of the queue or its slot (``release``: mark the slot done on the device), and give back
+        its pages: those it completed stay in the prefix cache until evicted."""
         req.finished = True
         if req.slot is None:
             if req in self._waiting:
@@ -759,6 +933,11 @@ class SlotEngine:
                 self._starting = [a for a in self._starting if a.req is not req]
             elif release and req.phase == "decode" and self.error is None:
                 self._loop = self._progs.release(self.clock, self._loop, np.int32(slot))
+            if req.id in self.pager:
+                if req.phase == "decode":  # every position but the newest tokens' (and the store's lag) is final
+                    self._commit(req, len(req.prompt_ids) + len(req.tokens) - 1 - self._store_lag)
+                self.pager.free(req.id)
+            self._set_table(slot, ())
             self.slots[slot] = None
             with self._lock:
                 self._free += 1
@@ -774,7 +953,7 @@ class SlotEngine:
             if tail:
                 req.sink(Event("tokens", text=tail))
             req.sink(Event("finish", finish_reason=reason, prompt_tokens=len(req.prompt_ids),
-                           completion_tokens=len(req.tokens)))
+                           completion_tokens=len(req.tokens), cached_tokens=req.cached_tokens or 0))
         except Exception:  # noqa: BLE001  (a broken sink must not stop the engine)
             self._bump("sink_errors", 1)
 

@@ -1,0 +1,99 @@
+"""Paged K/V: a step over a pool of pages read through a page table equals the same step over contiguous
+per-sequence buffers (outputs, log-sum-exps and the rows written), for decode, chain verification, tree blocks
+and prefill chunks, on the reference path and the (interpreted) Pallas kernel; rows on unallocated pages are
+never read and never written."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from diffspec_jax.cache import KVCache, move_rows, page_rows, page_view, write_paged
+from diffspec_jax.models.attention import cache_attention
+from pallas_kernels.common import use_kernels
+
+P = 16          # page size
+PAGES = 8       # table columns per sequence: capacity 128
+
+
+def _paged_copy(rng, bufs, lengths, extra_pages=3):
+    """Pools holding each ``buf [B, H, S, D]``'s first ``lengths[b]`` rows of each sequence on randomly placed
+    pages (the same for every buf), the rest of each table unallocated; returns ``([pool [1, H, N * P, D]], pages
+    [B, PAGES])``."""
+    b, h, s, d = bufs[0].shape
+    need = [-(-n // P) for n in lengths]
+    n = sum(need) + extra_pages
+    order = rng.permutation(n)
+    pages = np.full((b, PAGES), n, np.int32)  # n = unallocated
+    at = 0
+    for i, k in enumerate(need):
+        pages[i, :k] = order[at:at + k]
+        at += k
+    pos = np.stack([np.arange(s)] * b)
+    pos = jnp.asarray(np.where(pos < np.asarray(lengths)[:, None], pos, -1))
+    pools = [write_paged(jnp.asarray(rng.standard_normal((1, h, n * P, d)), buf.dtype),  # garbage elsewhere
+                         jnp.swapaxes(buf, 1, 2), jnp.asarray(pages), pos, P) for buf in bufs]
+    return pools, jnp.asarray(pages)
+
+
+def _run(backend, q, k, v, kb, vb, start, block_mask=None, pages=None):
+    fn = jax.jit(lambda *a: cache_attention(*a, 0.25, block_mask=block_mask, pages=pages,
+                                            page_size=P if pages is not None else 0))
+    with use_kernels(backend):
+        (out, lse), kb2, vb2 = fn(q, k, v, kb, vb, start)
+    return np.asarray(out, np.float32), np.asarray(lse), kb2
+
+
+def _tree_mask(b, t, rng):
+    anc = np.zeros((b, t, t), bool)
+    for s in range(b):
+        par = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
+        for i in range(t):
+            j = i
+            while j >= 0:
+                anc[s, i, j] = True
+                j = par[j]
+    return jnp.asarray(anc)
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("t, starts, tree", [(1, (1, 70, 33), False), (5, (37, 0, 100), False),
+                                             (6, (17, 64, 2), True), (80, (0, 16, 40), False)])
+def test_paged_step_equals_contiguous(backend, t, starts, tree):
+    rng = np.random.default_rng(t + sum(starts) + tree)
+    b, hq, hkv, d = 3, 4, 2, 16
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    q, k, v = f(b, t, hq, d), f(b, t, hkv, d), f(b, t, hkv, d)
+    kb, vb = f(b, hkv, PAGES * P, d), f(b, hkv, PAGES * P, d)
+    start = jnp.asarray(starts, jnp.int32)
+    ends = [s + t for s in starts]  # the pages a step may write must be allocated
+    (kp, vp), pages = _paged_copy(rng, [kb, vb], ends)
+    mask = _tree_mask(b, t, rng) if tree else None
+    with jax.default_matmul_precision("highest"):
+        ref = _run(backend, q, k, v, kb, vb, start, mask)
+        got = _run(backend, q, k, v, kp, vp, start, mask, pages=pages)
+    np.testing.assert_allclose(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], ref[1], rtol=1e-5, atol=1e-5)
+    view = np.asarray(page_view(got[2], pages, P))
+    for i, e in enumerate(ends):  # every written row through the table, and the prefix unchanged
+        np.testing.assert_array_equal(view[i, :, :e], np.asarray(ref[2])[i, :, :e])
+
+
+def test_page_rows_unallocated_and_out_of_range():
+    pages = jnp.asarray([[2, 0, 5], [1, 5, 5]], jnp.int32)  # 5 pages: id 5 = unallocated
+    pos = jnp.asarray([[0, 17, 33, 48, -1], [3, 16, 40, 47, 1000]], jnp.int32)
+    rows = np.asarray(page_rows(pages, pos, P, 5 * P))
+    np.testing.assert_array_equal(rows, [[32, 1, 5 * P, 5 * P, 5 * P], [19, 5 * P, 5 * P, 5 * P, 5 * P]])
+
+
+def test_move_rows_paged_equals_contiguous():
+    """A verified tree's accepted path moved to consecutive rows, through the page table."""
+    rng = np.random.default_rng(3)
+    buf = jnp.asarray(rng.standard_normal((2, 2, PAGES * P, 8)), jnp.float32)
+    start = jnp.asarray([20, 50], jnp.int32)
+    src = jnp.asarray([[0, 2, 5], [0, 1, 4]], jnp.int32)
+    dense = move_rows(KVCache(k=(buf,), v=(buf,)), start, src)
+    (pool,), pages = _paged_copy(rng, [buf], [60, 60])
+    paged = move_rows(KVCache(k=(pool,), v=(pool,), pages=pages, page_size=P), start, src)
+    view = np.asarray(page_view(paged.k[0], pages, P))
+    np.testing.assert_array_equal(view[:, :, :60], np.asarray(dense.k[0])[:, :, :60])
