@@ -112,7 +112,7 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
 
 
 def chain_hashes(data: memoryview, page_size: int, start: int, stop: int, prev: bytes) -> Iterator[bytes]:
-    """Keys ``h_start .. h_{stop-1}`` of the full pages of ``data`` (tokens as from ``_token_bytes``), given
+    """Keys ``h_start .. h_{stop-1}`` of the full pages of ``data`` (tokens as little-endian int32 bytes), given
     ``prev = h_{start-1}``: ``h_i = BLAKE2b-256(h_{i-1} || bytes of page i)``. Lazy, so a walk stops at a miss."""
     step = 4 * page_size
     for i in range(start, stop):
@@ -295,9 +295,10 @@ class PageManager:
 
         Every full page entirely below ``computed`` gets its chain key and is registered in the prefix cache,
         unless the key already names another page (then this page stays unregistered and is freed normally).
-        Incremental (pages hashed by earlier commits are not hashed again) and idempotent. ``computed`` may not
-        be smaller than at the previous commit (or than the admission's ``cached_tokens``), nor beyond the
-        positions the sequence holds pages for. The tokens of pages already hashed must not change (not checked)."""
+        Incremental (only the tokens of pages not hashed by earlier commits are read) and idempotent.
+        ``computed`` may not be smaller than at the previous commit (or than the admission's ``cached_tokens``), nor
+        beyond the positions the sequence holds pages for. The tokens of pages already hashed must not change (not
+        checked)."""
         seq = self._seq(seq_id)
         computed = int(computed)
         if computed < seq.computed:
@@ -306,21 +307,21 @@ class PageManager:
         if computed > len(seq.pages) * self._page_size:
             raise PagingError(f"commit of sequence {seq_id!r}: computed={computed} but it holds pages for only "
                               f"{len(seq.pages) * self._page_size} positions (grow it first)")
-        data = _token_bytes(tokens)
-        if len(data) // 4 < computed:
-            raise PagingError(f"commit of sequence {seq_id!r}: computed={computed} but only {len(data) // 4} tokens")
+        if len(tokens) < computed:
+            raise PagingError(f"commit of sequence {seq_id!r}: computed={computed} but only {len(tokens)} tokens")
         seq.computed = computed
         full = computed // self._page_size
-        if not self._caching:
-            seq.hashed = max(seq.hashed, full)
+        if full <= seq.hashed:
             return
-        for i, key in enumerate(chain_hashes(data, self._page_size, seq.hashed, full, seq.last_hash), seq.hashed):
-            page = seq.pages[i]
-            if key not in self._page_of:
-                self._page_of[key], self._key_of[page] = page, key
-                seq.keys[i] = key
-            seq.last_hash = key
-        seq.hashed = max(seq.hashed, full)
+        if self._caching:  # only the new pages' tokens are read: a decode step's commit costs O(its tokens)
+            data = _token_bytes(tokens[seq.hashed * self._page_size:full * self._page_size])
+            for i, key in enumerate(chain_hashes(data, self._page_size, 0, full - seq.hashed, seq.last_hash),
+                                    seq.hashed):
+                if key not in self._page_of:
+                    self._page_of[key], self._key_of[seq.pages[i]] = seq.pages[i], key
+                    seq.keys[i] = key
+                seq.last_hash = key
+        seq.hashed = full
 
     def writable_from(self, seq_id: Hashable) -> int:
         """The first position of sequence ``seq_id`` the device may still write: every position below it is in a
