@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("DIFFSPEC_DIGEST_CACHE", "off")  # digests are remembered in-process only, never in ~/.cache
 if "DIFFSPEC_COMPILATION_CACHE" not in os.environ:
     # the engine's persistent compilation cache, in a directory of this test process's own (one per xdist worker;
     # removed at exit): a program one test compiled loads in the next test that builds it (about a fifth off the
