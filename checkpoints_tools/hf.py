@@ -128,12 +128,17 @@ def header_problems(file: Path) -> list[IntegrityError]:
                 f"{file}: tensor {name!r} is {dtypes[name]} {shapes[name]} "
                 f"({math.prod(shapes[name]) * DTYPE_BYTES[dtypes[name]]} bytes) but its data_offsets {[begin, end]} "
                 f"span {end - begin} bytes; the header is damaged"))
+    needed = max((end for _, end in spans.values()), default=0)
+    if data_bytes is not None and needed > data_bytes:
+        problems.append(IntegrityError(f"{file}: its header describes {needed} bytes of tensor data, the file holds "
+                                       f"{data_bytes}: the file is damaged or incomplete (an interrupted download or "
+                                       f"copy?); re-download or re-create it"))
+        return problems
     at = 0
     for name in sorted(tensors, key=lambda k: spans[k]):
         begin, end = spans[name]
-        if begin != at or end < begin or (data_bytes is not None and end > data_bytes):
-            where = (f"past the end of the data ({data_bytes} bytes)" if data_bytes is not None and end > data_bytes
-                     else "overlapping the tensor before it" if begin < at else f"leaving a gap at byte {at}")
+        if begin != at or end < begin:
+            where = "overlapping the tensor before it" if begin < at or end < begin else f"leaving a gap at byte {at}"
             problems.append(IntegrityError(f"{file}: tensor {name!r} has data_offsets {[begin, end]}, {where}; the "
                                            f"header is damaged"))
         at = max(at, end)

@@ -156,8 +156,9 @@ def draft_layout(reader, config: DraftConfig, path: Path) -> DraftLayout:
     else:
         shape = reader.shape("fc.weight")
         if len(shape) != 2 or shape[1] % config.target_hidden_size:
-            layer.append(ConfigError(f"{path}: fc.weight has shape {list(shape)}: its input width is not a multiple "
-                                     f"of the aux state width {config.target_hidden_size}"))
+            width = f"input width {shape[1]}" if len(shape) == 2 else f"shape {list(shape)}"
+            layer.append(ConfigError(f"{path}: fc.weight has {width}, not a multiple of the aux state width "
+                                     f"{config.target_hidden_size}"))
         else:
             num_aux = shape[1] // config.target_hidden_size
     out = DraftLayout(layer, [], num_aux=num_aux, own_embedding="embed_tokens.weight" in keys)

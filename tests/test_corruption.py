@@ -56,7 +56,7 @@ def test_weights_holding_nan_inf_or_absurd_values_are_refused(ckpts, tmp_path, v
         t["model.layers.2.mlp.down_proj.weight"][5, 7] = value
 
     rewrite_safetensors(d, poison)
-    what = "NaN or infinite" if not np.isfinite(value) else "magnitude 3e\\+07 > 1e\\+06"
+    what = "NaN or infinite" if not np.isfinite(value) else f"magnitude 3e\\+07 > {MAX_ABS_WEIGHT:g}"
     with pytest.raises(IntegrityError, match=f"'model.layers.2.mlp.down_proj.weight' \\(params\\['layers'\\]\\[2\\]"
                                              f"\\['w_down'\\]\\) holds (NaN or infinite values|a value of {what})"):
         load_target(d, "float32")
