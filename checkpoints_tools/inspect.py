@@ -1,7 +1,8 @@
 """``python -m checkpoints_tools.inspect DIR``: what a checkpoint holds, and whether its files are intact.
 
 Prints the config summary, every tensor (name, shape, dtype), the parameter count and the sha256 of every
-weight file, then every problem found (:func:`audit`), each on its own line on stderr: an unreadable, empty or
+weight file, then every problem found (:func:`audit`), each on its own line on stderr: files that differ from
+the directory's ``diffspec_manifest.json`` (when it has one); an unreadable, empty or
 invalid ``config.json``; damaged safetensors headers (byte lengths that do not fit the dtype and shape, data
 offsets that overlap, leave gaps, run past the file or look swapped, F16 and BF16 mixed); tensors missing from the
 files and the index, unexpected or of the wrong shape for the config (a changed hidden size); a draft without
@@ -30,7 +31,7 @@ from checkpoints_tools import hf, orbax_io
 from diffspec_jax.config import DraftConfig, ModelConfig
 from diffspec_jax.draft import draft_layout
 from diffspec_jax.errors import CheckpointError, DiffspecError, IntegrityError
-from diffspec_jax.outdir import sha256_file, verify_manifest
+from diffspec_jax.outdir import manifest_mismatches, read_manifest, sha256_file, verify_manifest
 from diffspec_jax.target import MAX_ABS_WEIGHT
 from diffspec_jax.validation import ArgumentParser, one_line, read_json_object, report_error
 
@@ -139,6 +140,11 @@ def audit(path: str | Path) -> list[str]:
     """
     path = hf.check_dir(path)
     found: list[DiffspecError] = []
+    try:
+        body = read_manifest(path)
+        found += list(manifest_mismatches(path, body)) if body is not None else []
+    except IntegrityError as exc:
+        found.append(exc)
     cfg_file, raw, config = path / "config.json", None, None
     try:
         raw = read_json_object(cfg_file, error=CheckpointError)

@@ -40,7 +40,7 @@ import shutil
 import sys
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from diffspec_jax.errors import IntegrityError, OutputDirError
 
@@ -202,6 +202,17 @@ def verify_manifest(directory: str | Path, *, required: bool = False, skip: Iter
             raise IntegrityError(f"{directory} has no {MANIFEST}: nothing to verify against (compare files with a "
                                  f"publisher's digests with --expect-sha256 instead)")
         return None
+    for problem in manifest_mismatches(directory, body, skip=skip, only=only, cached=cached):
+        raise problem
+    return body
+
+
+def manifest_mismatches(directory: str | Path, body: dict, *, skip: Iterable[str] = (),
+                        only: Iterable[str] | None = None, cached: bool = True) -> Iterator[IntegrityError]:
+    """An :class:`IntegrityError` for each file the manifest ``body`` (:func:`read_manifest`) lists that is
+    missing, of another size or of another digest, in path order (lazily: :func:`verify_manifest` stops at the
+    first, ``inspect`` reports all)."""
+    directory = Path(directory)
     hint = (f"the file is damaged or was changed after {body.get('tool', 'the tool')} wrote it: re-download or "
             f"re-create the checkpoint (if you changed it on purpose, delete {MANIFEST}, or load with verify=False)")
     skip = set(skip)
@@ -211,16 +222,21 @@ def verify_manifest(directory: str | Path, *, required: bool = False, skip: Iter
             continue
         path = directory / rel
         if not path.is_file():
-            raise IntegrityError(f"{directory}: {rel} is listed in {MANIFEST} but missing; {hint}")
+            yield IntegrityError(f"{directory}: {rel} is listed in {MANIFEST} but missing; {hint}")
+            continue
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise IntegrityError(f"{directory}: {rel} has {size} bytes, its manifest says {entry['bytes']} "
+            yield IntegrityError(f"{directory}: {rel} has {size} bytes, its manifest says {entry['bytes']} "
                                  f"(truncated or extended); {hint}")
-        digest = file_digest(path, cached=cached)
+            continue
+        try:
+            digest = file_digest(path, cached=cached)
+        except OSError as exc:
+            yield IntegrityError(f"{directory}: cannot read {rel} to check its digest ({exc.strerror or exc})")
+            continue
         if digest != entry["sha256"]:
-            raise IntegrityError(f"{directory}: {rel} has SHA-256 {digest}, its manifest says {entry['sha256']}; "
+            yield IntegrityError(f"{directory}: {rel} has SHA-256 {digest}, its manifest says {entry['sha256']}; "
                                  f"{hint}")
-    return body
 
 
 def written_by_diffspec(directory: str | Path) -> bool:

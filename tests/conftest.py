@@ -143,10 +143,10 @@ def recording_proposer(log, plan, dparams, state, active, key):
     return out
 
 
-def rewrite_safetensors(path, edit):
-    """Load ``path/model.safetensors``, apply ``edit(dict)`` in place, write it back (to damage checkpoints)."""
+def rewrite_safetensors(path, edit, name="model.safetensors"):
+    """Load ``path/name``, apply ``edit(dict)`` in place, write it back (to damage checkpoints)."""
     from safetensors.numpy import load_file, save_file
 
-    tensors = load_file(str(path / "model.safetensors"))
+    tensors = load_file(str(path / name))
     edit(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(path / name), metadata={"format": "pt"})
