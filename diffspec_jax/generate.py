@@ -114,8 +114,8 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
 
 
 def add_model_arguments(ap) -> None:
-    """``--target``, ``--draft``, ``--no-draft``, ``--no-verify`` and ``--dtype`` (shared by the command-line tools that decode:
-    this one and ``python -m diffspec_jax.serve``); :func:`model_dirs` reads them."""
+    """``--target``, ``--draft``, ``--no-draft``, ``--no-verify`` and ``--dtype`` (shared by the command-line tools
+    that decode: this one and ``python -m diffspec_jax.serve``); :func:`model_dirs` reads them."""
     ap.add_argument("--target", help="Hugging Face or Orbax target directory (default: the embedded pair)")
     ap.add_argument("--draft", help="EAGLE-3 draft directory (default: the embedded pair's draft, if no --target), "
                                     "or 'self' (this command only): the target drafts for itself over its "
