@@ -5,8 +5,12 @@
 * ``--bin-to-safetensors DIR``: write ``model.safetensors`` (+ index) next to PyTorch ``*.bin`` weights
   (needs torch; run once, offline; refused when safetensors weights are already there).
 
-``--out`` is written safely (:class:`diffspec_jax.outdir.OutputDir`): into ``OUT.partial`` first, renamed into
-place at the end, with a ``diffspec_manifest.json`` of SHA-256 digests that loading verifies. A non-empty
+The source is loaded with every integrity check (:func:`diffspec_jax.load_target`): a source whose
+``diffspec_manifest.json`` does not match its files, or whose headers or weights are damaged, is refused before
+anything is written. ``--out`` is written safely (:class:`diffspec_jax.outdir.OutputDir`): into ``OUT.partial``
+first, renamed into place at the end, with a ``diffspec_manifest.json`` of SHA-256 digests that loading verifies;
+its ``"source"`` field records the source directory and the size and SHA-256 of each of its files (and whether
+they were verified against a manifest of its own), so the output's provenance can be checked later. A non-empty
 ``--out`` is refused unless an earlier diffspec tool wrote it, or ``--overwrite`` is given (the old contents are
 then moved to ``OUT.replaced-<time>``, never deleted); an ``--out`` equal to, inside or around the source is
 refused. Exit status: 0 = done, 2 = usage error, 1 = other error (a damaged source, ...).
@@ -24,28 +28,41 @@ import ml_dtypes
 
 from checkpoints_tools import hf, orbax_io
 from diffspec_jax.errors import CheckpointError, DiffspecError, OutputDirError
-from diffspec_jax.outdir import OutputDir
+from diffspec_jax.outdir import MANIFEST, OutputDir, file_digest, read_manifest
 from diffspec_jax.target import load_target
 from diffspec_jax.validation import ArgumentParser, report_error
 
 TOOL = "checkpoints_tools.convert"
 
 
+def source_record(src: str | Path) -> dict:
+    """The ``"source"`` field of a converted checkpoint's manifest: the source directory, the size and SHA-256 of
+    each of its files, and whether they were verified against the source's own manifest."""
+    src = Path(src)
+    files = {p.relative_to(src).as_posix(): {"bytes": p.stat().st_size, "sha256": file_digest(p)}
+             for p in sorted(src.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    return {"path": str(src.resolve()), "verified_manifest": read_manifest(src) is not None, "files": files}
+
+
 def hf_to_orbax(src: str | Path, out: str | Path, dtype: str = "bfloat16", *, overwrite: bool = False) -> Path:
     """Convert a Hugging Face target directory to an Orbax checkpoint at ``out`` (written safely)."""
     hf.check_dir(src)
-    with OutputDir(out, tool=TOOL, inputs=[src], overwrite=overwrite) as work:
+    output = OutputDir(out, tool=TOOL, inputs=[src], overwrite=overwrite)
+    with output as work:
         model = load_target(src, dtype=dtype, fuse_projections=False)  # checkpoints keep the HF layout
         orbax_io.save_orbax(work, model.config.to_hf_dict() | {"dtype": dtype}, model.params)
+        output.extra["source"] = source_record(src)
     return Path(out)
 
 
 def orbax_to_hf(src: str | Path, out: str | Path, dtype: str | None = None, *, overwrite: bool = False) -> Path:
     """Export an Orbax checkpoint as a Hugging Face directory at ``out`` (written safely)."""
     hf.check_dir(src)
-    with OutputDir(out, tool=TOOL, inputs=[src], overwrite=overwrite) as work:
+    output = OutputDir(out, tool=TOOL, inputs=[src], overwrite=overwrite)
+    with output as work:
         model = load_target(src, dtype="float32" if dtype in (None, "float32") else dtype, fuse_projections=False)
         hf.save_hf(work, model.config, model.params, dtype=dtype or "float32")
+        output.extra["source"] = source_record(src)
     return Path(out)
 
 

@@ -17,7 +17,9 @@ experts are read in either on-disk layout: fused ``mlp.experts.gate_up_proj`` ``
 from __future__ import annotations
 
 import json
+import math
 import re
+import struct
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,7 +31,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from diffspec_jax.config import ModelConfig
-from diffspec_jax.errors import CheckpointError, PathNotFoundError
+from diffspec_jax.errors import CheckpointError, IntegrityError, PathNotFoundError
 from diffspec_jax.models import eagle3, family, llama
 from diffspec_jax.models import params as tables
 
@@ -38,6 +40,11 @@ INDEX_FILE = "model.safetensors.index.json"
 #: tensors some checkpoints carry that no forward pass needs
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64}
+#: bytes per element of the safetensors dtypes
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+               "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8}
+#: a safetensors header larger than this is not read by the header checks (the safetensors library refuses it)
+MAX_HEADER_BYTES = 100 << 20
 
 
 def check_dir(path: str | Path) -> Path:
@@ -58,24 +65,129 @@ def _damaged(file: Path, exc: BaseException, tensor: str | None = None) -> Check
                            f"(re-download or re-create it)")
 
 
+def unreadable(file: Path, exc: OSError, what: str = "safetensors file") -> CheckpointError:
+    """The error for a file that cannot be opened, naming the real cause (permissions, a directory, ...)."""
+    if isinstance(exc, IsADirectoryError) or file.is_dir():
+        cause = "it is a directory, not a file (move it away and put the file there)"
+    elif isinstance(exc, PermissionError):
+        cause = "permission denied (make it readable for this user, e.g. chmod a+r)"
+    elif isinstance(exc, FileNotFoundError):
+        cause = "it does not exist (an incomplete download or copy?)"
+    else:
+        cause = f"{exc.strerror or exc} (a damaged file system or an incomplete copy?)"
+    return CheckpointError(f"cannot read {what} {file}: {cause}")
+
+
+def _raw_header(file: Path) -> dict:
+    """The JSON header of a safetensors file (``{}`` when it cannot be parsed: the safetensors library then says
+    why). Raises :class:`CheckpointError` (:func:`unreadable`) when the file cannot be opened."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            size = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            if not 0 < size <= MAX_HEADER_BYTES:
+                return {}
+            header = json.loads(f.read(size).decode("utf-8"))
+    except OSError as exc:
+        raise unreadable(file, exc) from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return {}
+    if isinstance(header, dict):
+        header["__data_bytes__"] = file.stat().st_size - 8 - size
+        return header
+    return {}
+
+
+def header_problems(file: Path) -> list[IntegrityError]:
+    """Damage a safetensors header shows without any digest (a file that cannot be opened raises
+    :class:`CheckpointError` instead):
+
+    * a tensor whose byte length (``data_offsets``) does not fit its shape and dtype;
+    * tensors whose data overlap, leave gaps or lie past the end of the file;
+    * F16 and BF16 tensors in one file (a checkpoint is saved in one half-precision format: a damaged dtype);
+    * tensors of one dtype stored out of the name order the safetensors writers use, where only two to four
+      tensors of equal size are out of place (their ``data_offsets`` were swapped). Files written in another
+      order throughout (other writers) are not judged.
+
+    Value damage (a flipped sign or mantissa bit) leaves the header intact: only a manifest's digest finds it.
+    """
+    header = _raw_header(file)
+    data_bytes = header.pop("__data_bytes__", None)
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        spans = {k: (int(v["data_offsets"][0]), int(v["data_offsets"][1])) for k, v in tensors.items()}
+        dtypes = {k: str(v["dtype"]) for k, v in tensors.items()}
+        shapes = {k: [int(n) for n in v["shape"]] for k, v in tensors.items()}
+    except (KeyError, TypeError, ValueError, IndexError):
+        return []  # a malformed header: the safetensors library names it
+    problems = []
+    for name in sorted(tensors):
+        begin, end = spans[name]
+        if dtypes[name] in DTYPE_BYTES and end - begin != math.prod(shapes[name]) * DTYPE_BYTES[dtypes[name]]:
+            problems.append(IntegrityError(
+                f"{file}: tensor {name!r} is {dtypes[name]} {shapes[name]} "
+                f"({math.prod(shapes[name]) * DTYPE_BYTES[dtypes[name]]} bytes) but its data_offsets {[begin, end]} "
+                f"span {end - begin} bytes; the header is damaged"))
+    needed = max((end for _, end in spans.values()), default=0)
+    if data_bytes is not None and needed > data_bytes:
+        problems.append(IntegrityError(f"{file}: its header describes {needed} bytes of tensor data, the file holds "
+                                       f"{data_bytes}: the file is damaged or incomplete (an interrupted download or "
+                                       f"copy?); re-download or re-create it"))
+        return problems
+    at = 0
+    for name in sorted(tensors, key=lambda k: spans[k]):
+        begin, end = spans[name]
+        if begin != at or end < begin:
+            where = "overlapping the tensor before it" if begin < at or end < begin else f"leaving a gap at byte {at}"
+            problems.append(IntegrityError(f"{file}: tensor {name!r} has data_offsets {[begin, end]}, {where}; the "
+                                           f"header is damaged"))
+        at = max(at, end)
+    if data_bytes is not None and tensors and at < data_bytes:
+        problems.append(IntegrityError(f"{file}: {data_bytes - at} bytes follow the last tensor's data; the file was "
+                                       f"extended or its header is damaged"))
+    half = {d: sorted(k for k in tensors if dtypes[k] == d) for d in ("F16", "BF16")}
+    if all(half.values()):
+        few, many = sorted(half, key=lambda d: (len(half[d]), d))
+        problems.append(IntegrityError(
+            f"{file}: tensors {half[few][:3]}{' ...' if len(half[few]) > 3 else ''} are {few} while "
+            f"{len(half[many])} others are {many}; a checkpoint is saved in one half-precision format, so the "
+            f"header's dtype is damaged"))
+    groups: dict[str, list[str]] = {}
+    for name in sorted(tensors, key=lambda k: spans[k]):
+        groups.setdefault(dtypes[name], []).append(name)
+    for names in groups.values():
+        moved = [a for a, b in zip(names, sorted(names)) if a != b]
+        if 2 <= len(moved) <= min(4, len(names) // 2) and len({spans[k][1] - spans[k][0] for k in moved}) == 1:
+            problems.append(IntegrityError(
+                f"{file}: the data of tensors {sorted(moved)} is out of the name order in which this file stores "
+                f"every other tensor: their data_offsets look swapped; the header is damaged"))
+    return problems
+
+
 class WeightReader:
     """Lazy access to the tensors of a safetensors checkpoint directory (single file or sharded).
 
     Use as a context manager; ``keys()``, ``shape(name)``, ``dtype(name)`` read headers only, ``get(name)``
     loads one tensor as a NumPy array. Every read error of the safetensors library is a :class:`CheckpointError`
     naming the file (and tensor), and a sharded index that names a tensor its shard does not hold is refused when
-    the reader opens.
+    the reader opens. Each file's header is checked when it is opened (:func:`header_problems`; an
+    :class:`IntegrityError`) unless ``check_headers=False`` (``inspect``, which reports them itself).
     """
 
-    def __init__(self, path: str | Path, *, single_file: str = SINGLE_FILE, index_file: str = INDEX_FILE):
+    def __init__(self, path: str | Path, *, single_file: str = SINGLE_FILE, index_file: str = INDEX_FILE,
+                 check_headers: bool = True):
         self.path = check_dir(path)
+        self.check_headers = check_headers
         index = self.path / index_file
         single = self.path / single_file
         self._handles: dict[Path, Any] = {}
         if index.exists():
             self._file_of = self._read_index(index)
             for f in sorted(set(self._file_of.values())):
-                if not f.is_file():
+                if f.is_dir():
+                    raise CheckpointError(f"{index} names shard {f.name}, which is a directory in {self.path}, not "
+                                          f"a file")
+                if not f.exists():
                     raise CheckpointError(f"{index} names shard {f.name}, which does not exist in {self.path}")
             self._check_shards(index)
         elif single.exists():
@@ -125,6 +237,11 @@ class WeightReader:
 
     def _handle(self, file: Path):
         if file not in self._handles:
+            problems = header_problems(file) if self.check_headers else []
+            if problems:
+                if len(problems) > 1:
+                    problems[0].add_note(f"{len(problems) - 1} more header problem(s) in {file.name}")
+                raise problems[0]
             try:
                 self._handles[file] = safe_open(str(file), framework="numpy")
             except Exception as exc:  # safetensors raises its own error types
@@ -178,6 +295,41 @@ class WeightReader:
 
 
 # ------------------------------------------------------------------------------------------- tables <-> disk
+def table_problems(reader: WeightReader, table: tables.Table, *,
+                   ignore: Callable[[str], bool] = lambda k: False) -> list[CheckpointError]:
+    """Every disagreement between the checkpoint's tensors and the parameter ``table`` (headers only): missing and
+    unexpected tensors, non-float dtypes, shapes other than the config implies (one error per tensor)."""
+    wanted = tables.hf_tensors(table)
+    present = set(reader.keys())
+    problems = []
+    missing = [k for k in wanted if k not in present]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        problems.append(CheckpointError(f"{reader.path}: missing tensors {missing[:5]}{more}"))
+    unexpected = [k for k in present - set(wanted) if not k.endswith(IGNORED_SUFFIXES) and not ignore(k)]
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        problems.append(CheckpointError(
+            f"{reader.path}: unexpected tensors {sorted(unexpected)[:5]}{more}; the checkpoint does not match "
+            f"its config.json (wrong architecture, biases or quantized weights?)"))
+    for key, rows in wanted.items():
+        if key not in present:
+            continue
+        try:
+            disk_dtype, shape = reader.dtype(key), reader.shape(key)
+        except CheckpointError as exc:
+            problems.append(exc)
+            continue
+        expected = tables.hf_shape(rows)
+        if disk_dtype not in FLOAT_DTYPES:
+            problems.append(CheckpointError(f"{reader.path}: tensor {key!r} has dtype {disk_dtype}; quantized or "
+                                            f"integer weights are not supported"))
+        elif shape != expected:
+            problems.append(CheckpointError(f"{reader.path}: tensor {key!r} has shape {list(shape)}, but config.json "
+                                            f"implies {list(expected)}"))
+    return problems
+
+
 def read_tensors(reader: WeightReader, table: tables.Table, dtype, *,
                  ignore: Callable[[str], bool] = lambda k: False) -> dict:
     """Load every tensor the parameter ``table`` names (:mod:`diffspec_jax.models.params`), checking presence,
@@ -188,28 +340,11 @@ def read_tensors(reader: WeightReader, table: tables.Table, dtype, *,
     Returns:
         the params pytree (``jnp`` arrays of ``dtype``).
     """
-    wanted = tables.hf_tensors(table)
-    present = set(reader.keys())
-    missing = [k for k in wanted if k not in present]
-    if missing:
-        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise CheckpointError(f"{reader.path}: missing tensors {missing[:5]}{more}")
-    unexpected = [k for k in present - set(wanted) if not k.endswith(IGNORED_SUFFIXES) and not ignore(k)]
-    if unexpected:
-        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
-        raise CheckpointError(
-            f"{reader.path}: unexpected tensors {sorted(unexpected)[:5]}{more}; the checkpoint does not match "
-            f"its config.json (wrong architecture, biases or quantized weights?)")
+    problems = table_problems(reader, table, ignore=ignore)
+    if problems:
+        raise problems[0]
     params: dict = {}
-    for key, rows in wanted.items():
-        disk_dtype = reader.dtype(key)
-        if disk_dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{reader.path}: tensor {key!r} has dtype {disk_dtype}; quantized or integer "
-                                  f"weights are not supported")
-        shape, expected = reader.shape(key), tables.hf_shape(rows)
-        if shape != expected:
-            raise CheckpointError(f"{reader.path}: tensor {key!r} has shape {list(shape)}, but config.json implies "
-                                  f"{list(expected)}")
+    for key, rows in tables.hf_tensors(table).items():
         for row, arr in zip(rows, tables.from_hf(rows, reader.get(key))):
             tables.set_leaf(params, row.path, jnp.asarray(arr, dtype=dtype))
     return params
@@ -217,12 +352,25 @@ def read_tensors(reader: WeightReader, table: tables.Table, dtype, *,
 
 def load_hf_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
     """Params pytree of a Llama / Qwen3 / Qwen3.5-MoE HF checkpoint directory, shapes checked against ``config``."""
-    if config.is_hybrid:
-        return load_qwen35_params(path, config, dtype)
     with WeightReader(path) as reader:
-        tied = config.tie_word_embeddings
-        return read_tensors(reader, family(config).table(config), dtype,
-                            ignore=lambda k: tied and k == "lm_head.weight")
+        source, table, ignore = target_layout(reader, config)
+        return read_tensors(source, table, dtype, ignore=ignore)
+
+
+def target_layout(reader: WeightReader, config: ModelConfig) -> tuple[Any, tables.Table, Callable[[str], bool]]:
+    """``(source, table, ignore)`` for :func:`read_tensors` / :func:`table_problems` of a target checkpoint:
+    Qwen3.5-MoE checkpoints are read through a :class:`FusedExpertsView` under their detected key prefix, and
+    their vision tower and MTP head ignored; a tied ``lm_head.weight`` is ignored."""
+    tied = config.tie_word_embeddings
+    if not config.is_hybrid:
+        return reader, family(config).table(config), lambda k: tied and k == "lm_head.weight"
+    prefix = config.weight_prefix
+    for candidate in (prefix, "model.language_model.", "model."):  # a text-only model may carry wrapper keys
+        if f"{candidate}embed_tokens.weight" in reader:
+            prefix = candidate
+            break
+    return (FusedExpertsView(reader, prefix), family(config).table(config, prefix=prefix),
+            lambda k: k.startswith(QWEN35_IGNORED_PREFIXES) or (tied and k == "lm_head.weight"))
 
 
 def export_tensors(params: dict, table: tables.Table, dtype=None) -> dict[str, np.ndarray]:
@@ -391,20 +539,6 @@ def fuse_experts(tensors: dict[str, np.ndarray], prefix: str = "model.") -> dict
 
 
 QWEN35_IGNORED_PREFIXES = ("model.visual.", "mtp.")
-
-
-def load_qwen35_params(path: str | Path, config: ModelConfig, dtype=jnp.bfloat16) -> dict:
-    """Params of a Qwen3.5-MoE checkpoint (wrapper or causal-LM keys, fused or per-expert experts)."""
-    with WeightReader(path) as reader:
-        prefix = config.weight_prefix
-        for candidate in (prefix, "model.language_model.", "model."):  # a text-only model may carry wrapper keys
-            if f"{candidate}embed_tokens.weight" in reader:
-                prefix = candidate
-                break
-        view = FusedExpertsView(reader, prefix)
-        tied = config.tie_word_embeddings
-        return read_tensors(view, family(config).table(config, prefix=prefix), dtype,
-                            ignore=lambda k: k.startswith(QWEN35_IGNORED_PREFIXES) or (tied and k == "lm_head.weight"))
 
 
 # ------------------------------------------------------------------------------------------- EAGLE-3 drafts

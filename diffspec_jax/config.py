@@ -133,9 +133,12 @@ class RopeConfig:
         return out
 
 
-def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta: float = 10000.0,
+def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta: float | None = 10000.0,
                default_partial: float = 1.0, source: str = "config.json") -> RopeConfig:
-    """Build a :class:`RopeConfig` from a config dict in either the v5 or the v4 dialect."""
+    """Build a :class:`RopeConfig` from a config dict in either the v5 or the v4 dialect.
+
+    ``default_theta=None``: ``rope_theta`` is required (a :class:`ConfigError` without it): targets are refused
+    rather than run with a guessed base, which would silently change the model."""
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
         # v5 models with several attention types nest one dict per layer type.
@@ -151,6 +154,11 @@ def parse_rope(d: dict[str, Any], max_position_embeddings: int, *, default_theta
             params.setdefault("rope_theta", d["rope_theta"])
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     theta = params.get("rope_theta", d.get("rope_theta"))
+    if theta is None and default_theta is None:
+        raise ConfigError(f"{source}: no rope_theta (neither in rope_parameters nor at the top level): the model "
+                          f"rotates positions by it, and a guessed default would silently change its output; add the "
+                          f"value it was trained with, e.g. \"rope_parameters\": {{\"rope_type\": \"default\", "
+                          f"\"rope_theta\": 500000.0}}")
     theta = default_theta if theta is None else _number(theta, "rope_theta", source)
     partial = params.get("partial_rotary_factor", d.get("partial_rotary_factor", default_partial)) or default_partial
     kwargs: dict[str, Any] = dict(theta=theta, rope_type=rope_type,
@@ -223,6 +231,18 @@ def _token_ids(value: Any, key: str, source: str) -> tuple[int, ...]:
     return tuple(_integer(v, key, source) for v in values)
 
 
+def check_eos_ids(ids: tuple[int, ...], vocab_size: Any, what: str) -> None:
+    """Refuse EOS ids outside ``[0, vocab_size)``: the model can never emit them, so generation would silently
+    ignore them and run to its token limit (transformers only warns)."""
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size <= 0:
+        return  # the vocabulary size itself is checked where it is parsed
+    bad = [int(e) for e in ids if not 0 <= int(e) < vocab_size]
+    if bad:
+        raise ConfigError(f"{what} {bad[0] if len(bad) == 1 else bad} lies outside the vocabulary [0, {vocab_size}): "
+                          f"the model can never emit it, so generation would never stop there; fix the id (or the "
+                          f"vocab_size)")
+
+
 def _check_dict(d: Any, source: str, what: str = "config.json") -> dict[str, Any]:
     if not isinstance(d, dict):
         raise ConfigError(f"{source}: {what} must be a JSON object {{...}}, got {_show(d)}")
@@ -293,6 +313,7 @@ class ModelConfig:
             raise ConfigError(f"eos_token_ids must be a tuple of token ids, got {_show(self.eos_token_ids)}")
         for e in self.eos_token_ids:
             check_int(e, "eos_token_ids entry", min=0)
+        check_eos_ids(self.eos_token_ids, self.vocab_size, "eos_token_ids")
         if not isinstance(self.rope, RopeConfig):
             raise ConfigError(f"rope must be a RopeConfig, got {_show(self.rope)}")
         if not isinstance(self.layer_types, tuple) or not all(isinstance(t, str) for t in self.layer_types):
@@ -460,10 +481,12 @@ class ModelConfig:
             raise ConfigError(f"{source}: num_attention_heads must be a positive integer, got {heads}")
         max_pos = _opt_int(d, "max_position_embeddings", source, 32768 if hybrid else 8192)
         eos_ids = _token_ids(d.get("eos_token_id", top.get("eos_token_id")), "eos_token_id", source)
+        vocab = _req_int(d, "vocab_size", source)
+        check_eos_ids(eos_ids, vocab, f"{source}: eos_token_id")
         bos = d.get("bos_token_id", top.get("bos_token_id"))
         common = dict(
             architecture=arch,
-            vocab_size=_req_int(d, "vocab_size", source),
+            vocab_size=vocab,
             hidden_size=hidden,
             num_hidden_layers=_req_int(d, "num_hidden_layers", source),
             num_attention_heads=heads,
@@ -481,7 +504,7 @@ class ModelConfig:
             head_dim=_opt_int(d, "head_dim", source, hidden // heads),
             rms_norm_eps=_opt_number(d, "rms_norm_eps", source, 1e-6 if arch == "Qwen3ForCausalLM" else 1e-5),
             tie_word_embeddings=_opt_bool(d, "tie_word_embeddings", source, False),
-            rope=parse_rope(d, max_pos, source=source),
+            rope=parse_rope(d, max_pos, default_theta=None, source=source),
         )
 
     @classmethod
@@ -579,7 +602,7 @@ def _qwen35_fields(d: dict[str, Any], top: dict[str, Any], source: str, max_pos:
         head_dim=_opt_int(d, "head_dim", source, 256),
         rms_norm_eps=_opt_number(d, "rms_norm_eps", source, 1e-6),
         tie_word_embeddings=tie,
-        rope=parse_rope(d, max_pos, default_partial=0.25, source=source),
+        rope=parse_rope(d, max_pos, default_theta=None, default_partial=0.25, source=source),
         layer_types=tuple(str(t) for t in layer_types),
         linear_num_key_heads=_opt_int(d, "linear_num_key_heads", source, 16),
         linear_num_value_heads=_opt_int(d, "linear_num_value_heads", source, 32),

@@ -98,24 +98,15 @@ def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_
         config = DraftConfig(**{**config.__dict__, "aux_layer_ids": ids})
     dtype = resolve_dtype(dtype) if dtype is not None else target.dtype
     with hf.WeightReader(path) as reader:
-        keys = set(reader.keys())
-        if any(k.startswith(("layers.1.", "midlayers.1.")) for k in keys):
-            raise CheckpointError(f"{path}: the checkpoint holds more than one draft layer; EAGLE-3 drafts have one")
-        prefix = next((p for p in eagle3.LAYER_PREFIXES if f"{p}self_attn.q_proj.weight" in keys), None)
-        if prefix is None:
-            raise CheckpointError(f"{path}: no draft layer found (expected midlayer.* or layers.0.* tensors)")
-        if "fc.weight" not in keys:
-            raise CheckpointError(f"{path}: missing tensor 'fc.weight' (EAGLE-3 drafts project target aux states)")
-        fc_out, fc_in = reader.shape("fc.weight")
-        if fc_in % config.target_hidden_size:
-            raise ConfigError(f"{path}: fc.weight has input width {fc_in}, not a multiple of the aux state width "
-                              f"{config.target_hidden_size}")
-        num_aux = fc_in // config.target_hidden_size
-        aux = validate_against_target(config, target, num_aux)
-        own = "embed_tokens.weight" in keys
-        table = eagle3.param_table(config, num_aux, layer_prefix=prefix, own_embedding=own)
-        params = hf.read_tensors(reader, table, dtype, ignore=lambda k: k in ("d2t", "t2d"))
-        params["d2t"] = _read_d2t(reader, config, path)
+        layout = draft_layout(reader, config, path)
+        if layout.layer_problems:
+            raise layout.layer_problems[0]
+        aux = validate_against_target(config, target, layout.num_aux)
+        if layout.tensor_problems:
+            raise layout.tensor_problems[0]
+        table, own = layout.table, layout.own_embedding
+        params = hf.read_tensors(reader, table, dtype, ignore=lambda k: k in DRAFT_TABLES)
+        params["d2t"] = jnp.asarray(layout.d2t, jnp.int32)
     if verify:  # config.json's digest once the files are known to fit it, then the values
         verify_manifest(path, only=("config.json",))
         check_finite(params, str(path), tables.hf_names(table), skip=("d2t",))
@@ -127,12 +118,66 @@ def load_draft(path: str | Path, target: TargetModel, *, dtype: Any = None, aux_
     return DraftModel(config=config, params=params, aux_layers=aux, own_embedding=own, path=str(path))
 
 
-def _read_d2t(reader, config: DraftConfig, path: Path) -> jnp.ndarray:
+#: the draft's integer vocabulary tables (no parameters of the table)
+DRAFT_TABLES = ("d2t", "t2d")
+
+
+@dataclass
+class DraftLayout:
+    """What a draft checkpoint holds, checked without its target (:func:`draft_layout`).
+
+    ``layer_problems`` (no draft layer, more than one, no ``fc.weight``, an ``fc`` width that is not a multiple of
+    ``target_hidden_size``) leave ``num_aux`` / ``table`` ``None``; ``tensor_problems`` are the tensors that do not
+    fit the config and a missing or invalid ``d2t`` / ``t2d``."""
+
+    layer_problems: list
+    tensor_problems: list
+    num_aux: int | None = None
+    own_embedding: bool = False
+    table: Any = None
+    d2t: np.ndarray | None = None
+
+
+def draft_layout(reader, config: DraftConfig, path: Path) -> DraftLayout:
+    """Check a draft's tensors against its config (headers, and the ``d2t`` / ``t2d`` tables) and collect every
+    problem: :func:`load_draft` raises the first, ``inspect`` reports all of them."""
+    keys = set(reader.keys())
+    layer: list = []
+    if any(k.startswith(("layers.1.", "midlayers.1.")) for k in keys):
+        layer.append(CheckpointError(f"{path}: the checkpoint holds more than one draft layer; EAGLE-3 drafts have "
+                                     f"one"))
+    prefix = next((p for p in eagle3.LAYER_PREFIXES if f"{p}self_attn.q_proj.weight" in keys), None)
+    if prefix is None:
+        layer.append(CheckpointError(f"{path}: no draft layer found (expected midlayer.* or layers.0.* tensors)"))
+    num_aux = None
+    if "fc.weight" not in keys:
+        layer.append(CheckpointError(f"{path}: missing tensor 'fc.weight' (EAGLE-3 drafts project target aux "
+                                     f"states)"))
+    else:
+        shape = reader.shape("fc.weight")
+        if len(shape) != 2 or shape[1] % config.target_hidden_size:
+            width = f"input width {shape[1]}" if len(shape) == 2 else f"shape {list(shape)}"
+            layer.append(ConfigError(f"{path}: fc.weight has {width}, not a multiple of the aux state width "
+                                     f"{config.target_hidden_size}"))
+        else:
+            num_aux = shape[1] // config.target_hidden_size
+    out = DraftLayout(layer, [], num_aux=num_aux, own_embedding="embed_tokens.weight" in keys)
+    if prefix is not None and num_aux is not None:
+        out.table = eagle3.param_table(config, num_aux, layer_prefix=prefix, own_embedding=out.own_embedding)
+        out.tensor_problems += hf.table_problems(reader, out.table, ignore=lambda k: k in DRAFT_TABLES)
+    try:
+        out.d2t = _read_d2t(reader, config, path)
+    except CheckpointError as exc:
+        out.tensor_problems.append(exc)
+    return out
+
+
+def _read_d2t(reader, config: DraftConfig, path: Path) -> np.ndarray:
     vd, v = config.draft_vocab_size, config.vocab_size
     if "d2t" not in reader:
         if vd != v:
             raise CheckpointError(f"{path}: draft_vocab_size {vd} < vocab_size {v} but the d2t table is missing")
-        return jnp.zeros(vd, jnp.int32)
+        return np.zeros(vd, np.int64)
     raw = np.asarray(reader.get("d2t"))
     if not np.issubdtype(raw.dtype, np.integer) and not (
             np.issubdtype(raw.dtype, np.floating) and np.all(np.isfinite(raw)) and np.all(raw == np.round(raw))):
@@ -147,4 +192,4 @@ def _read_d2t(reader, config: DraftConfig, path: Path) -> jnp.ndarray:
         t2d = np.asarray(reader.get("t2d")).astype(bool)
         if t2d.shape != (v,) or not np.array_equal(np.nonzero(t2d)[0], target_ids):
             raise CheckpointError(f"{path}: t2d and d2t disagree (nonzero(t2d) must equal d2t + arange)")
-    return jnp.asarray(d2t, jnp.int32)
+    return d2t

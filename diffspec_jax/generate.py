@@ -114,13 +114,16 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
 
 
 def add_model_arguments(ap) -> None:
-    """``--target``, ``--draft``, ``--no-draft`` and ``--dtype`` (shared by the command-line tools that decode:
-    this one and ``python -m diffspec_jax.serve``); :func:`model_dirs` reads them."""
+    """``--target``, ``--draft``, ``--no-draft``, ``--no-verify`` and ``--dtype`` (shared by the command-line tools
+    that decode: this one and ``python -m diffspec_jax.serve``); :func:`model_dirs` reads them."""
     ap.add_argument("--target", help="Hugging Face or Orbax target directory (default: the embedded pair)")
     ap.add_argument("--draft", help="EAGLE-3 draft directory (default: the embedded pair's draft, if no --target), "
                                     "or 'self' (this command only): the target drafts for itself over its "
                                     "working set (docs/self_drafting.md; a directory named self is ./self)")
     ap.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="skip the integrity checks at load: the diffspec_manifest.json digests and the NaN / inf / "
+                         "magnitude check of the weights (docs/checkpoints.md)")
     ap.add_argument("--dtype", default="auto",
                     help="auto | bfloat16 | float32. auto: float32 on the CPU, bfloat16 on accelerators (XLA:CPU "
                          "widens bfloat16 products to float32 with a conversion pass over the KV cache per step, "
@@ -242,9 +245,10 @@ def main(argv: list[str] | None = None) -> int:
             args.compare = args.compare or not args.no_draft  # the demo reports its speedup, measured here
         spec = spec_from_args(args, args.draft_tp)
         policy = spec.context.policy
-        target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype))
+        target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype), verify=not args.no_verify)
         sampling, gen_defaults = _sampling(args, target_dir)
-        draft = engine.SELF if self_draft else load_draft(draft_dir, target) if draft_dir is not None else None
+        draft = (engine.SELF if self_draft else load_draft(draft_dir, target, verify=not args.no_verify)
+                 if draft_dir is not None else None)
         random_pair = (target_dir / "RANDOM_WEIGHTS.json").exists()
         tok = _tokenizer(target_dir)
         if args.stop and tok is None:

@@ -20,8 +20,15 @@ Manifest format (``diffspec_manifest.json``, JSON)::
 
 ``files`` lists every file of the directory (paths relative to it, ``/``-separated) except the manifest;
 ``self_sha256`` is the SHA-256 of the manifest's other fields (canonical JSON: sorted keys, no spaces), so a
-damaged manifest is detected too. :func:`verify_manifest` checks a directory against its manifest
+damaged manifest is detected too. Tools may add fields (``convert`` records its source's digests under
+``"source"``); the self digest covers them. :func:`verify_manifest` checks a directory against its manifest
 (``load_target`` / ``load_draft`` do when one is present, ``checkpoints_tools.inspect --verify`` on demand).
+
+Digests of unchanged files are remembered (:func:`file_digest`): in this process and in a small on-disk cache
+(``$DIFFSPEC_DIGEST_CACHE``, default ``~/.cache/diffspec_jax/digests``; ``off`` disables it), keyed by the file's
+real path, device, inode, size, modification and status-change times, so loading the same checkpoint again does
+not hash it again. A file damaged without any of these changing (bit rot on the disk) is only found by hashing
+afresh: ``inspect --verify`` always does.
 """
 
 from __future__ import annotations
@@ -33,13 +40,19 @@ import shutil
 import sys
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from diffspec_jax.errors import IntegrityError, OutputDirError
 
 MANIFEST = "diffspec_manifest.json"
 MANIFEST_FORMAT = "diffspec-manifest"
 PARTIAL_MARKER = ".diffspec_partial"
+#: the environment variable naming the digest cache directory (``0`` / ``off`` / ``false`` / ``no``: none)
+DIGEST_CACHE_ENV = "DIFFSPEC_DIGEST_CACHE"
+#: manifest fields a tool may not set through ``extra``
+_RESERVED = frozenset({"format", "version", "tool", "algorithm", "files", "self_sha256"})
+#: this process's remembered digests, by :func:`_stat_key`
+_digests: dict[tuple, str] = {}
 
 
 def sha256_file(path: str | Path, block: int = 1 << 20) -> str:
@@ -50,6 +63,57 @@ def sha256_file(path: str | Path, block: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def digest_cache_dir(environ=None) -> Path | None:
+    """Where :func:`file_digest` keeps digests across processes: ``$DIFFSPEC_DIGEST_CACHE`` when it names a
+    directory, ``None`` when it is ``0`` / ``off`` / ``false`` / ``no``, else ``$XDG_CACHE_HOME/diffspec_jax/digests``
+    (default ``~/.cache/diffspec_jax/digests``)."""
+    env = os.environ if environ is None else environ
+    value = (env.get(DIGEST_CACHE_ENV) or "").strip()
+    if value.lower() in ("0", "off", "false", "no", "none"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "diffspec_jax" / "digests"
+
+
+def _stat_key(path: Path) -> tuple:
+    st = os.stat(path)
+    return (os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def file_digest(path: str | Path, *, cached: bool = True) -> str:
+    """SHA-256 of ``path``. With ``cached``, a digest computed before for the same file (same real path, device,
+    inode, size, mtime and ctime) is reused, from this process or from :func:`digest_cache_dir`; a new one is
+    remembered there (a cache that cannot be written is skipped)."""
+    path = Path(path)
+    if not cached:
+        return sha256_file(path)
+    key = _stat_key(path)
+    if key in _digests:
+        return _digests[key]
+    store = digest_cache_dir()
+    entry = store / hashlib.sha256(repr(key).encode()).hexdigest() if store is not None else None
+    try:
+        known = entry.read_text().strip() if entry is not None else ""
+    except OSError:
+        known = ""
+    if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
+        _digests[key] = known
+        return known
+    digest = sha256_file(path)
+    if _stat_key(path) == key:  # unchanged while it was read
+        _digests[key] = digest
+        if entry is not None:
+            try:
+                entry.parent.mkdir(parents=True, exist_ok=True)
+                tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+                tmp.write_text(digest + "\n")
+                os.replace(tmp, entry)
+            except OSError:
+                pass
+    return digest
+
+
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
@@ -58,8 +122,9 @@ def _files_under(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
-def write_manifest(directory: str | Path, tool: str) -> Path:
-    """Write ``directory/diffspec_manifest.json`` listing (size, SHA-256) every file under ``directory``."""
+def write_manifest(directory: str | Path, tool: str, extra: dict[str, Any] | None = None) -> Path:
+    """Write ``directory/diffspec_manifest.json`` listing (size, SHA-256) every file under ``directory``, with the
+    JSON fields of ``extra`` (e.g. ``convert``'s ``"source"``) beside them."""
     directory = Path(directory)
     files = {}
     for p in _files_under(directory):
@@ -67,8 +132,11 @@ def write_manifest(directory: str | Path, tool: str) -> Path:
         if rel in (MANIFEST, PARTIAL_MARKER):
             continue
         files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-    body: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": 1, "tool": tool, "algorithm": "sha256",
-                            "files": files}
+    clash = sorted(_RESERVED & set(extra or {}))
+    if clash:
+        raise ValueError(f"write_manifest: extra may not set {clash}")
+    body: dict[str, Any] = {**(extra or {}), "format": MANIFEST_FORMAT, "version": 1, "tool": tool,
+                            "algorithm": "sha256", "files": files}
     body["self_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
     out = directory / MANIFEST
     out.write_bytes(_layout(body))
@@ -116,12 +184,13 @@ def read_manifest(directory: str | Path) -> dict | None:
 
 
 def verify_manifest(directory: str | Path, *, required: bool = False, skip: Iterable[str] = (),
-                    only: Iterable[str] | None = None) -> dict | None:
+                    only: Iterable[str] | None = None, cached: bool = True) -> dict | None:
     """Check every file listed in ``directory``'s manifest (size, then SHA-256); return the manifest, or ``None``
     when there is none (an :class:`IntegrityError` with ``required``).
 
     ``skip`` / ``only`` restrict the check to some of the listed files (relative paths), so a loader can check
-    the weights first and ``config.json`` once it knows the files fit it.
+    the weights first and ``config.json`` once it knows the files fit it. ``cached=False`` hashes every file
+    afresh instead of reusing digests of unchanged files (:func:`file_digest`).
 
     Raises:
         IntegrityError: naming the first file that is missing, of another size or of another digest.
@@ -133,6 +202,17 @@ def verify_manifest(directory: str | Path, *, required: bool = False, skip: Iter
             raise IntegrityError(f"{directory} has no {MANIFEST}: nothing to verify against (compare files with a "
                                  f"publisher's digests with --expect-sha256 instead)")
         return None
+    for problem in manifest_mismatches(directory, body, skip=skip, only=only, cached=cached):
+        raise problem
+    return body
+
+
+def manifest_mismatches(directory: str | Path, body: dict, *, skip: Iterable[str] = (),
+                        only: Iterable[str] | None = None, cached: bool = True) -> Iterator[IntegrityError]:
+    """An :class:`IntegrityError` for each file the manifest ``body`` (:func:`read_manifest`) lists that is
+    missing, of another size or of another digest, in path order (lazily: :func:`verify_manifest` stops at the
+    first, ``inspect`` reports all)."""
+    directory = Path(directory)
     hint = (f"the file is damaged or was changed after {body.get('tool', 'the tool')} wrote it: re-download or "
             f"re-create the checkpoint (if you changed it on purpose, delete {MANIFEST}, or load with verify=False)")
     skip = set(skip)
@@ -142,16 +222,21 @@ def verify_manifest(directory: str | Path, *, required: bool = False, skip: Iter
             continue
         path = directory / rel
         if not path.is_file():
-            raise IntegrityError(f"{directory}: {rel} is listed in {MANIFEST} but missing; {hint}")
+            yield IntegrityError(f"{directory}: {rel} is listed in {MANIFEST} but missing; {hint}")
+            continue
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise IntegrityError(f"{directory}: {rel} has {size} bytes, its manifest says {entry['bytes']} "
+            yield IntegrityError(f"{directory}: {rel} has {size} bytes, its manifest says {entry['bytes']} "
                                  f"(truncated or extended); {hint}")
-        digest = sha256_file(path)
+            continue
+        try:
+            digest = file_digest(path, cached=cached)
+        except OSError as exc:
+            yield IntegrityError(f"{directory}: cannot read {rel} to check its digest ({exc.strerror or exc})")
+            continue
         if digest != entry["sha256"]:
-            raise IntegrityError(f"{directory}: {rel} has SHA-256 {digest}, its manifest says {entry['sha256']}; "
+            yield IntegrityError(f"{directory}: {rel} has SHA-256 {digest}, its manifest says {entry['sha256']}; "
                                  f"{hint}")
-    return body
 
 
 def written_by_diffspec(directory: str | Path) -> bool:
@@ -220,6 +305,8 @@ class OutputDir:
         self._existing: str | None = None
         self._snap: dict | None = None
         self._checked = False
+        #: JSON fields the tool adds to the manifests it writes (``convert``: ``"source"``), set before exit
+        self.extra: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------ checks
     def check(self) -> None:
@@ -294,7 +381,7 @@ class OutputDir:
         for sub in self.manifests:
             d = self.partial / sub
             if d.is_dir():
-                write_manifest(d, self.tool)
+                write_manifest(d, self.tool, self.extra)
         marker.unlink(missing_ok=True)
         out = self.out
         try:

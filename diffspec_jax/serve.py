@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if tok is None:
             raise ConfigError(f"{target_dir} has no tokenizer (tokenizer.json / tokenizer_config.json): the server "
                               f"needs one for prompts and text")
-        target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype))
-        draft = load_draft(draft_dir, target) if draft_dir is not None else None
+        target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype), verify=not args.no_verify)
+        draft = load_draft(draft_dir, target, verify=not args.no_verify) if draft_dir is not None else None
         engine = SlotEngine(target, draft, spec, config)
         name = args.served_model_name or ("diffspec-demo" if embedded else target_dir.resolve().name)
         app = create_app(engine, tok, model_name=name, api_key=args.api_key, chat_template=template,

@@ -26,7 +26,7 @@ from checkpoints_tools import hf, orbax_io
 from diffspec_jax import cache as caches
 from diffspec_jax import sharding, stopping
 from diffspec_jax.cache import HybridCache, KVCache
-from diffspec_jax.config import ModelConfig
+from diffspec_jax.config import ModelConfig, check_eos_ids
 from diffspec_jax.errors import ConfigError, InputError, IntegrityError
 from diffspec_jax.models import attention, family, llama
 from diffspec_jax.models import params as tables
@@ -102,12 +102,16 @@ def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: 
             checkpoint layout (what ``checkpoints_tools convert`` stores).
         verify: check the checkpoint's integrity (default): the SHA-256 digests of its ``diffspec_manifest.json``
             when it has one (:mod:`diffspec_jax.outdir`; written by ``convert``, ``train_draft`` and the demo
-            build), and that every floating tensor is finite and of magnitude <= ``MAX_ABS_WEIGHT`` (one fused
-            reduction on the device, :func:`check_finite`). ``False`` skips both.
+            build; digests of files unchanged since an earlier load are reused, :func:`diffspec_jax.outdir.
+            file_digest`), and that every floating tensor is finite and of magnitude <= ``MAX_ABS_WEIGHT`` (one
+            fused reduction on the device, :func:`check_finite`). ``False`` skips both. The safetensors headers
+            are checked either way (:func:`checkpoints_tools.hf.header_problems`).
     Raises:
         PathNotFoundError: ``path`` does not exist or is not a directory.
         CheckpointError: missing / unreadable files or tensors, or shapes that do not match ``config.json``.
-        IntegrityError: a digest that differs from the manifest, or a tensor with NaN / inf / absurd values.
+        IntegrityError: a digest that differs from the manifest, a damaged safetensors header, or a tensor with
+            NaN / inf / absurd values.
+        ConfigError: an invalid ``config.json`` (no ``rope_theta``, an EOS id outside the vocabulary, ...).
         UnsupportedModelError: architecture, RoPE type or feature not supported.
     """
     path = hf.check_dir(path)
@@ -118,8 +122,9 @@ def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: 
         verify_manifest(path, skip=("config.json",))
     config = ModelConfig.from_pretrained(path)
     # every EOS id: generation_config.json names more than config.json for instruct checkpoints (end of turn)
-    config = dataclasses.replace(config, eos_token_ids=stopping.merge_eos_ids(config.eos_token_ids,
-                                                                             stopping.generation_eos_ids(path)))
+    more_eos = stopping.generation_eos_ids(path)
+    check_eos_ids(more_eos, config.vocab_size, f"{path / stopping.GENERATION_CONFIG}: eos_token_id")
+    config = dataclasses.replace(config, eos_token_ids=stopping.merge_eos_ids(config.eos_token_ids, more_eos))
     # config.json's digest once the files are known to fit it (so an edited config is reported as a mismatch),
     # before Orbax restores any data
     check = (lambda: verify_manifest(path, only=("config.json",))) if verify else None
@@ -137,9 +142,10 @@ def load_target(path: str | Path, dtype: Any = "bfloat16", *, fuse_projections: 
 
 
 # ------------------------------------------------------------------------------------------ integrity checks
-#: a weight of larger magnitude is treated as damage (a flipped exponent bit turns 0.01 into ~1e17 or more);
-#: trained checkpoints stay orders of magnitude below it
-MAX_ABS_WEIGHT = 1e6
+#: a weight of larger magnitude is treated as damage. Trained Llama / Qwen weights, norm gains included, stay
+#: below about 1e2. Flipping a clear exponent bit of a float32 / bfloat16 weight multiplies it by 2^(bit value):
+#: the highest bit (2^128) is caught for any weight above 1e-34, bit 32 for weights above 2.3e-6, bit 16 above 0.15
+MAX_ABS_WEIGHT = 1e4
 
 
 @jax.jit

@@ -121,6 +121,8 @@ def read_json_object(path: str | Path, what: str = "config.json", *,
     """The JSON object (dict) in ``path``; ``error`` when the file is unreadable, not UTF-8, not JSON, or holds
     another JSON value (a list, a number, ...)."""
     text = read_text(path, what, error=error)
+    if not text.strip():
+        raise error(f"{path}: {what} is empty (it must hold a JSON object {{...}})")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

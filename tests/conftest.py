@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("DIFFSPEC_DIGEST_CACHE", "off")  # digests are remembered in-process only, never in ~/.cache
 if "DIFFSPEC_COMPILATION_CACHE" not in os.environ:
     # the engine's persistent compilation cache, in a directory of this test process's own (one per xdist worker;
     # removed at exit): a program one test compiled loads in the next test that builds it (about a fifth off the
@@ -142,10 +143,10 @@ def recording_proposer(log, plan, dparams, state, active, key):
     return out
 
 
-def rewrite_safetensors(path, edit):
-    """Load ``path/model.safetensors``, apply ``edit(dict)`` in place, write it back (to damage checkpoints)."""
+def rewrite_safetensors(path, edit, name="model.safetensors"):
+    """Load ``path/name``, apply ``edit(dict)`` in place, write it back (to damage checkpoints)."""
     from safetensors.numpy import load_file, save_file
 
-    tensors = load_file(str(path / "model.safetensors"))
+    tensors = load_file(str(path / name))
     edit(tensors)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(path / name), metadata={"format": "pt"})

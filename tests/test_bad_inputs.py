@@ -17,7 +17,8 @@ from diffspec_jax.errors import (CheckpointError, ConfigError, DiffspecError, In
 from diffspec_jax.validation import check_generate_args
 
 BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rope_theta": 10000.0}
 DRAFT = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256, "num_hidden_layers": 1}
 

@@ -1,17 +1,18 @@
 """config.json parsing: both dialects, defaults, and a named refusal for every unsupported feature."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from diffspec_jax import ModelConfig
-from diffspec_jax.config import RopeConfig
+from diffspec_jax.config import DraftConfig, RopeConfig
 from diffspec_jax.errors import ConfigError, UnsupportedModelError
 
 BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0}
 
 
 def test_v4_dialect_rope_theta_and_rope_scaling():
@@ -29,7 +30,30 @@ def test_very_old_type_key_and_missing_original_max():
                                                          "high_freq_factor": 2.0}})
     assert cfg.rope.rope_type == "llama3"
     assert cfg.rope.original_max_position_embeddings == 4096  # defaults to max_position_embeddings
-    assert cfg.rope.theta == 10000.0  # no rope_theta anywhere -> default
+    assert cfg.rope.theta == 10000.0
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_a_target_config_without_rope_theta_is_refused(arch):
+    """Issue 38: with rope_parameters / rope_theta removed, transformers falls back to a default base and silently
+    computes another model; targets are refused instead (EAGLE-3 drafts keep the default: their training configs
+    carry none)."""
+    bare = {k: v for k, v in BASE.items() if k != "rope_theta"}
+    for cfg in (bare, {**bare, "rope_parameters": {"rope_type": "default"}}, {**bare, "rope_scaling": None}):
+        with pytest.raises(ConfigError, match="x.json: no rope_theta .* add the value it was trained with"):
+            ModelConfig.from_dict({**cfg, "architectures": [arch]}, source="x.json")
+    draft = {**bare, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "draft_vocab_size": 500}
+    assert DraftConfig.from_dict(draft).rope.theta == 10000.0
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused():
+    for eos in (1000, [5, 1000], 10**9):
+        with pytest.raises(ConfigError, match=r"x.json: eos_token_id .*1000.* outside the vocabulary \[0, 1000\)"
+                           if eos != 10**9 else "outside the vocabulary"):
+            ModelConfig.from_dict({**BASE, "eos_token_id": eos}, source="x.json")
+    cfg = ModelConfig.from_dict({**BASE, "eos_token_id": 999})
+    with pytest.raises(ConfigError, match="eos_token_ids 1000 lies outside"):
+        dataclasses.replace(cfg, eos_token_ids=(999, 1000))
 
 
 def test_v5_dialect_rope_parameters_and_dtype():

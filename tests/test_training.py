@@ -378,6 +378,9 @@ def test_build_init_target_loads_an_earlier_build(tmp_path, tiny_dirs):
     bare = tmp_path / "bare"
     shutil.copytree(demo.target_dir(), bare)
     (bare / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json is listed in diffspec_manifest.json but missing"):
+        initial_target(bare)
+    (bare / "diffspec_manifest.json").unlink()  # a deliberate edit drops the manifest too
     with pytest.raises(CheckpointError, match="no tokenizer.json"):
         initial_target(bare)
     other = tmp_path / "other"
