@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import statistics

@@ -1032,6 +1032,8 @@ def main(argv=None) -> int:
     if args.peer_worker:
         return peer_worker(args)
     t_start = time.perf_counter()
+    if args.resume and Path(args.resume).resolve() == Path(args.out).resolve():
+        args.overwrite = True  # continuing --out itself: its rows are carried over (an unmarked one is moved aside)
     out = claim_outputs(ap, args, [args.out, Path(args.out).with_suffix(".png")], __file__)
     tcfg, dcfg = shapes(args.quick)
     contexts = [int(x) for x in args.contexts.split(",")]

@@ -216,9 +216,9 @@ def check_resume(ckpt_dir: str | Path | None, shapes: Any, steps: int, *, hint: 
     diffs = [f"{k}: {held.get(k, 'absent')} there, {want.get(k, 'absent')} here" for k in sorted(set(held) | set(want))
              if held.get(k) != want.get(k)]
     if diffs:
-        raise ConfigError(f"the checkpoint {where} holds parameters of another shape than this run's "
-                          f"({'; '.join(diffs[:4])}{'; ...' if len(diffs) > 4 else ''}){hint}; choose another checkpoint "
-                          f"directory, or the settings of the run that wrote it")
+        shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
+        raise ConfigError(f"the checkpoint {where} holds parameters of another shape than this run's ({shown}){hint}; "
+                          f"choose another checkpoint directory, or the settings of the run that wrote it")
     return latest
 
 

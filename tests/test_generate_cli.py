@@ -418,7 +418,8 @@ def test_prompt_size_cap_fails_fast_without_loading_a_model(tmp_path, monkeypatc
     (["--no-draft", "--draft-tp", "1"], "--draft-tp would have no effect"),
     (["--no-draft", "-k", "3", "--policy", "full", "--compare"], "--compare, --num-speculative-tokens, --policy"),
     (["--max-tree-nodes", "8"], "--max-tree-nodes shapes tree verification, but --verification-mode is auto"),
-    (["--verification-mode", "linear", "--tree-topk", "2", "--tree-branching", "full"], "--tree-topk, --tree-branching"),
+    (["--verification-mode", "linear", "--tree-topk", "2", "--tree-branching", "full"],
+     "--tree-topk, --tree-branching"),
     (["--chat", "--prompt-ids", "1,2"], "--chat wraps prompt text"),
 ])
 def test_contradictory_options_are_usage_errors(args, needle, capsys):
