@@ -64,7 +64,8 @@ def test_tree_mode_flags(random_pair, capsys):
     # one child per node: the tree is a chain of K = 3 nodes, under the budget of round4(7 / 1.5) = 4
     assert s["verification_mode"] == "tree" and s["mean_tree_size"] == 3
     assert s["drafting"]["per_sequence"][0]["branching"]["caps"] == [1, 1, 1]
-    code, out = run_cli(["--target", str(target), "--prompt-ids", "1,2", "--tree-branching", "bushy"], capsys)
+    code, out = run_cli(["--target", str(target), "--prompt-ids", "1,2", "--verification-mode", "tree",
+                         "--tree-branching", "bushy"], capsys)
     assert code == 2 and "diffspec_tree_branching" in out.err
 
 
