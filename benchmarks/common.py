@@ -1,10 +1,9 @@
-"""Shared benchmark helpers: environment record, device copy bandwidth, timing."""
+"""Shared benchmark helpers: environment record, device copy bandwidth, timing, safe output files."""
 
 from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import statistics
@@ -17,6 +16,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from diffspec_jax.errors import OutputDirError
+from diffspec_jax.outdir import OutputFile, png_metadata
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,11 +93,43 @@ def copy_bandwidth(nbytes: int = 2 << 30, repeats: int = 10) -> dict[str, float]
     return {"bytes_per_s": 2 * n * 4 / t["median_s"], "array_bytes": n * 4, **t}
 
 
-def write_json(path: str | Path, payload: dict) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
-    return path
+#: the tool name recorded in outputs written through a bare path (not claimed by a script)
+TOOL = "benchmarks"
+
+
+def add_output_arguments(ap, default: str | None, *, required: bool = False,
+                         help: str = "output JSON (a figure beside it, where the benchmark draws one)") -> None:
+    """``--out`` and ``--overwrite`` (see :func:`claim_outputs`)."""
+    ap.add_argument("--out", default=default, required=required, help=help)
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace an existing output file that no diffspec tool wrote (it is moved to "
+                         "NAME.replaced-<time>, nothing is deleted); a benchmark's own earlier output is replaced "
+                         "without it")
+
+
+def claim_outputs(ap, args, paths: Sequence[str | Path], script: str) -> list[OutputFile]:
+    """The output files of this run, checked before it measures anything (:class:`OutputFile`: an existing file
+    that no diffspec tool wrote is refused without ``--overwrite``); a refusal is a usage error (``ap.error``: one
+    line, exit status 2). ``script``: the benchmark's ``__file__``."""
+    outs = [OutputFile(p, tool=f"benchmarks/{Path(script).name}", overwrite=getattr(args, "overwrite", False))
+            for p in paths]
+    try:
+        for out in outs:
+            out.check()
+    except OutputDirError as exc:
+        ap.error(str(exc))
+    return outs
+
+
+def _output(out: OutputFile | str | Path) -> OutputFile:
+    return out if isinstance(out, OutputFile) else OutputFile(out, tool=TOOL)
+
+
+def write_json(out: OutputFile | str | Path, payload: dict) -> Path:
+    """Write ``payload`` to a claimed output (:func:`claim_outputs`), or to a path under the same rules (a file
+    that no diffspec tool wrote is refused); the temporary-file-and-rename write and the mark are
+    :meth:`OutputFile.write_json`'s."""
+    return _output(out).write_json(payload)
 
 
 def repo_relative(path: str | Path | None) -> str | None:
@@ -145,14 +179,19 @@ def reference_line(ax, label: str = "1.0x (no gain)", y: float = 1.0) -> None:
     ax.axhline(y, color="black", lw=0.8, ls="--", label=label)
 
 
-def save_figure(fig, path: str | Path) -> str:
-    """Lay out, write (120 dpi) and close a matplotlib figure; returns the file name for the JSON's ``figure``."""
+def save_figure(fig, out: OutputFile | str | Path, dpi: int = 120) -> str:
+    """Lay out, write (PNG, marked as a benchmark's output; like :func:`write_json`) and close a matplotlib figure;
+    returns the file name for the JSON's ``figure``."""
+    import io
+
     import matplotlib.pyplot as plt
 
+    out = _output(out)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    data = io.BytesIO()
+    fig.savefig(data, format="png", dpi=dpi, metadata=png_metadata(out.tool))
     plt.close(fig)
-    return Path(path).name
+    return out.write_bytes(data.getvalue()).name
 
 
 def rel_err(a, b) -> float:

@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, write_json  # noqa: E402
+from benchmarks.common import add_output_arguments, claim_outputs, environment, write_json  # noqa: E402
 
 KINDS = ("natural", "random")
 
@@ -146,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-files", type=int, default=None, help="small held-out corpus (smoke tests)")
-    ap.add_argument("--out", default="benchmarks/results/copy_probe.json")
+    add_output_arguments(ap, "benchmarks/results/copy_probe.json")
     args = ap.parse_args(argv)
+    out, = claim_outputs(ap, args, [args.out], __file__)
     if args.span < 2 or args.passages < 1:
         raise SystemExit("--span must be at least 2 and --passages at least 1")
     if args.greedy_prompts < 0 or args.greedy_context < 1 or args.greedy_new_tokens < 4:
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                                         seed=args.seed, dtype=args.dtype,
                                         greedy=(args.greedy_prompts, args.greedy_context, args.greedy_new_tokens))
                            for t in targets]}
-    print("wrote", write_json(args.out, payload))
+    print("wrote", write_json(out, payload))
     return 0
 
 

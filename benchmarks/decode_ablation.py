@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import long_context as lc  # noqa: E402
-from benchmarks.common import copy_bandwidth, environment, write_json  # noqa: E402
+from benchmarks.common import add_output_arguments, claim_outputs, copy_bandwidth, environment, write_json  # noqa: E402
 from diffspec_jax.cache import KVCache, round_capacity  # noqa: E402
 from diffspec_jax.models import llama  # noqa: E402
 from diffspec_jax.models.layers import (NEG_INF, _dot_operands, apply_rope, causal_mask, embed_lookup,  # noqa: E402
@@ -162,7 +162,7 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/decode_ablation_h200.json")
+    add_output_arguments(ap, "benchmarks/results/decode_ablation_h200.json")
     ap.add_argument("--cases", default="8192x1,65536x1,32768x8", help="CTXxBATCH,...")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--tokens", default="1,5", help="new tokens per step (decode, verify)")
@@ -172,6 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     args = ap.parse_args(argv)
+    out, = claim_outputs(ap, args, [args.out], __file__)
     variants = args.variants.split(",")
     bad = sorted(set(variants) - set(VARIANTS))
     if bad:
@@ -185,7 +186,6 @@ def main(argv=None) -> int:
         "traces": []}
     kv_per_token = 2 * tcfg.num_hidden_layers * tcfg.num_key_value_heads * tcfg.head_dim * 2
     weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params["fused"])) - params["fused"]["embed"].nbytes
-    out = Path(args.out)
 
     for case in filter(None, args.memory.split(",")):
         ctx, batch = map(int, case.split("x"))

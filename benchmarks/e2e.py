@@ -40,7 +40,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import long_context as lc  # noqa: E402
-from benchmarks.common import copy_bandwidth, environment, write_json  # noqa: E402
+from benchmarks.common import (add_output_arguments, claim_outputs, copy_bandwidth, environment,  # noqa: E402
+                               save_figure, write_json)
 
 METHODS = ("target", "recent", "diffspec")
 #: issue 23's targets
@@ -195,16 +196,14 @@ def plot(payload: dict, path: Path) -> str | None:
     env = payload["environment"]
     fig.suptitle(f"Llama-3.1-8B shapes, random bf16 weights, {env['device']} (JAX {env['versions'].get('jax', '?')}); "
                  "*DiffSpec at the demo pair's measured acceptance", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return save_figure(fig, path, dpi=110)
 
 
-def write(payload: dict, out: Path, args) -> None:
+def write(payload: dict, outs, args) -> None:
+    """The figure and the JSON (``outs``: their claimed output files)."""
     finalize(payload, args)
-    payload["figure"] = plot(payload, out.with_suffix(".png"))
-    write_json(out, payload)
+    payload["figure"] = plot(payload, outs[1])
+    write_json(outs[0], payload)
 
 
 def main(argv=None) -> int:
@@ -227,18 +226,18 @@ def main(argv=None) -> int:
     ap.add_argument("--peer-timeout-s", type=float, default=400.0)
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="start no case after this many seconds")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/e2e.json")
+    add_output_arguments(ap, "benchmarks/results/e2e.json")
     ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
     args = ap.parse_args(argv)
     if args.plot_only:
         path = Path(args.plot_only)
-        print(plot(json.loads(path.read_text()), path.with_suffix(".png")))
+        print(plot(json.loads(path.read_text()), *claim_outputs(ap, args, [path.with_suffix(".png")], __file__)))
         return 0
     methods = [m for m in args.methods.split(",") if m]
     if set(methods) - set(METHODS):
         ap.error(f"--methods takes names of {METHODS}, got {args.methods!r}")
     t_start = time.perf_counter()
-    out = Path(args.out)
+    out = claim_outputs(ap, args, [args.out, Path(args.out).with_suffix(".png")], __file__)
     tcfg, dcfg = lc.shapes(args.quick)
     target = lc.random_target(tcfg)
     dparams = lc.random_draft(dcfg, target)
@@ -289,7 +288,7 @@ def main(argv=None) -> int:
         payload["peer"], payload["peer_run"] = rows, info
     write(payload, out, args)
     print(json.dumps(payload["targets"], indent=1))
-    print(f"wrote {out} in {time.perf_counter() - t_start:.0f}s")
+    print(f"wrote {args.out} in {time.perf_counter() - t_start:.0f}s")
     return 0
 
 

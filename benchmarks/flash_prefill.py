@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, matmul_peak, rel_err, time_device, write_json  # noqa: E402
+from benchmarks.common import (add_output_arguments, claim_outputs, environment, matmul_peak, rel_err,  # noqa: E402
+                               time_device, write_json)
 from diffspec_jax.models.attention import flash_causal  # noqa: E402
 
 
@@ -103,9 +104,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="8192,32768,65536,131072")
     ap.add_argument("--batches", default="1")
-    ap.add_argument("--out", default="benchmarks/results/flash_prefill.json")
+    add_output_arguments(ap, "benchmarks/results/flash_prefill.json")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
+    out, = claim_outputs(ap, args, [args.out], __file__)
     env = environment(sys.argv)
     peak = matmul_peak(256, 2) if args.quick else matmul_peak()
     print(f"bf16 matmul peak {peak['flop_per_s'] / 1e12:.0f} TFLOP/s", flush=True)
@@ -118,8 +120,8 @@ def main(argv=None) -> int:
             if "tflops" in r:
                 r["fraction_of_matmul_peak"] = r["tflops"] * 1e12 / peak["flop_per_s"]
             rows.append(r)
-        write_json(args.out, {"benchmark": "causal flash attention of a prompt over itself", "environment": env,
-                              "matmul_peak": peak, "results": rows, "quick": args.quick})
+        write_json(out, {"benchmark": "causal flash attention of a prompt over itself", "environment": env,
+                         "matmul_peak": peak, "results": rows, "quick": args.quick})
     print(f"wrote {args.out}")
     return 0
 

@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import copy_bandwidth, environment, rel_err, time_device, write_json  # noqa: E402
+from benchmarks.common import (add_output_arguments, claim_outputs, copy_bandwidth, environment, rel_err,  # noqa: E402
+                               time_device, write_json)
 from diffspec_jax.models.layers import attention_prefix, rope_cos_sin  # noqa: E402
 from diffspec_jax.retrieval import head_sum_scores  # noqa: E402
 from diffspec_jax.working_cache import draft_attention_reference, gather_rope_write_reference  # noqa: E402
@@ -194,13 +195,14 @@ def _options(text: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/kernels.json")
+    add_output_arguments(ap, "benchmarks/results/kernels.json")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
     ap.add_argument("--only", default=",".join(KERNELS), help=f"comma-separated kernels to run, of {KERNELS}")
     ap.add_argument("--cache-options", default="", help="cache_attention knobs, e.g. block=128,num_stages=3")
     ap.add_argument("--cache-shapes", default="8192:1,65536:1,131072:1,8192:8,32768:8,65536:8",
                     help="cache_attention (context:batch) cases")
     args = ap.parse_args(argv)
+    out, = claim_outputs(ap, args, [args.out], __file__)
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     if not only or only - set(KERNELS):
         ap.error(f"--only takes names of {KERNELS}, got {args.only!r}")
@@ -263,7 +265,7 @@ def main(argv=None) -> int:
             targets["cache_attention verify <= 1.2x decode"] = all(tv <= 1.2 * t1 for tv, t1 in pairs)
     payload = {"benchmark": "pallas kernels vs XLA references", "environment": env, "copy_bandwidth": bw,
                "results": results, "targets_met": targets, "quick": args.quick}
-    path = write_json(args.out, payload)
+    path = write_json(out, payload)
     print(f"copy bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s")
     print(f"{'kernel':<18} {'shape':<44} {'pallas us':>10} {'xla us':>10} {'x':>6} {'%bw':>6} {'err':>8}")
     for r in results:

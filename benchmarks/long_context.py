@@ -57,8 +57,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (REPO, context_axis, copy_bandwidth, environment, log_yticks, matmul_peak,
-                               reference_line, write_json)
+from benchmarks.common import (REPO, add_output_arguments, claim_outputs, context_axis, copy_bandwidth,
+                               environment, log_yticks, matmul_peak, reference_line, save_figure, write_json)
 from benchmarks.self_projection import acceptance_of, cycle_with_retrieval, project
 
 #: acceptance lengths (tokens per verification, bonus included) for projected speedups; random weights accept
@@ -969,17 +969,14 @@ def plot(payload: dict, path: Path) -> str | None:
     env = payload["environment"]
     fig.suptitle(f"Llama-3.1-8B-shaped target + EAGLE-3-shaped draft, random bf16 weights, {env['device']} "
                  f"(JAX {env['versions'].get('jax', '?')})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return save_figure(fig, path, dpi=110)
 
 
-def write(payload: dict, out: Path) -> None:
+def write(payload: dict, outs) -> None:
+    """The figure (once there are cases) and the JSON (``outs``: their claimed output files)."""
     finalize(payload)
-    png = out.with_suffix(".png")
-    payload["figure"] = plot(payload, png) if payload["cases"] else None
-    write_json(out, payload)
+    payload["figure"] = plot(payload, outs[1]) if payload["cases"] else None
+    write_json(outs[0], payload)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -1023,18 +1020,21 @@ def main(argv=None) -> int:
                     help=f"--draft self: a paired.py --draft self JSON whose acceptance the projections use "
                          f"(default {SELF_PAIRED.relative_to(REPO)})")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/long_context.json")
+    add_output_arguments(ap, "benchmarks/results/long_context.json")
     args = ap.parse_args(argv)
     if args.draft == "self":  # the EAGLE-3 draft's parts are not measured
         args.steps_only = True
     if args.plot_only:
         path = Path(args.plot_only)
-        print(plot(finalize(json.loads(path.read_text())), path.with_suffix(".png")))
+        print(plot(finalize(json.loads(path.read_text())), *claim_outputs(ap, args, [path.with_suffix(".png")],
+                                                                          __file__)))
         return 0
     if args.peer_worker:
         return peer_worker(args)
     t_start = time.perf_counter()
-    out = Path(args.out)
+    if args.resume and Path(args.resume).resolve() == Path(args.out).resolve():
+        args.overwrite = True  # continuing --out itself: its rows are carried over (an unmarked one is moved aside)
+    out = claim_outputs(ap, args, [args.out, Path(args.out).with_suffix(".png")], __file__)
     tcfg, dcfg = shapes(args.quick)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -1169,7 +1169,7 @@ def main(argv=None) -> int:
     for row in payload["summary_ms"]:
         print(row)
     print(json.dumps(payload["targets"], indent=1))
-    print(f"wrote {out} in {time.perf_counter() - t_start:.0f}s")
+    print(f"wrote {args.out} in {time.perf_counter() - t_start:.0f}s")
     return 0
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, write_json  # noqa: E402
+from benchmarks.common import add_output_arguments, claim_outputs, environment, write_json  # noqa: E402
 from diffspec_jax.generate import first_divergence  # noqa: E402
 
 
@@ -41,12 +41,13 @@ def tie_gap(target_f32, prompt: list[int], prefix: list[int], tok_a: int, tok_b:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", default="diffspec_jax/demo/pair")
-    ap.add_argument("--out", default="benchmarks/results/lossless_check.json")
+    add_output_arguments(ap, "benchmarks/results/lossless_check.json")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--tie-tolerance", type=float, default=0.05)
     args = ap.parse_args(argv)
+    out, = claim_outputs(ap, args, [args.out], __file__)
     import diffspec_jax as dj
     from transformers import AutoTokenizer
 
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
                         ok = ok and row["near_tie"]
                     rows.append(row)
                     print(row, flush=True)
-    write_json(args.out, {"check": "greedy speculative vs target-only output", "environment": environment(sys.argv),
+    write_json(out, {"check": "greedy speculative vs target-only output", "environment": environment(sys.argv),
                           "settings": vars(args), "rows": rows, "all_divergences_are_near_ties": ok})
     return 0 if ok else 1
 

@@ -46,7 +46,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    context_axis, environment, reference_line, repo_relative, save_figure, write_json)
+    add_output_arguments, claim_outputs, context_axis, environment, reference_line, repo_relative, save_figure,
+    write_json)
 from checkpoints_tools.inspect import file_hashes  # noqa: E402
 from diffspec_jax.corpus import WORKLOADS  # noqa: E402
 
@@ -272,8 +273,9 @@ def main(argv=None) -> int:
                     help="skip the warm-up run of each method (acceptance studies: generate() times compilation "
                          "apart anyway, but the first run's timings are colder)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/paired.json")
+    add_output_arguments(ap, "benchmarks/results/paired.json")
     args = ap.parse_args(argv)
+    out, png = claim_outputs(ap, args, [args.out, Path(args.out).with_suffix(".png")], __file__)
     sampled = args.temperature > 0
     if sampled and args.tie_tolerance is not None:
         raise SystemExit("--tie-tolerance applies to greedy runs; sampled outputs are not compared token by token")
@@ -366,7 +368,7 @@ def main(argv=None) -> int:
         case["comparisons"] = comparisons(case, methods, args.seed)
         payload["cases"].append(case)
         payload["passed_equality"] = not failed
-        write_json(Path(args.out), payload)  # after every context, so a run cut short still leaves its data
+        write_json(out, payload)  # after every context, so a run cut short still leaves its data
         print(json.dumps({"context": ctx, **{m: {k: case["methods"][m].get(k) for k in ("speedup_vs_target",)}
                                               | {"acceptance": (case["methods"][m].get("mean_acceptance_length")
                                                                 or {}).get("median")}
@@ -374,8 +376,7 @@ def main(argv=None) -> int:
                           "comparisons": case["comparisons"]}),
               flush=True)
     payload["passed_equality"] = not failed
-    out = Path(args.out)
-    payload["figure"] = plot(payload, out.with_suffix(".png"))
+    payload["figure"] = plot(payload, png)
     write_json(out, payload)
     print(f"wrote {out}" + (f" and {payload['figure']}" if payload["figure"] else ""))
     if failed:

@@ -114,8 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke run)")
-    ap.add_argument("--out", default="benchmarks/results/profile_steps.json")
+    common.add_output_arguments(ap, "benchmarks/results/profile_steps.json")
     args = ap.parse_args(argv)
+    out, = common.claim_outputs(ap, args, [args.out], __file__)
     from benchmarks.long_context import random_target, shapes
 
     tcfg, dcfg = shapes(args.quick)
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
         print(f"{case}: span {c['span_ms']:.2f} ms, kernels {c['kernels']}, busy {c['busy_fraction']}", flush=True)
         for r in c["top"][:12]:
             print(f"   {r['ms']:9.3f} ms {r['calls']:6d}  {r['kernel'][:110]}", flush=True)
-    common.write_json(args.out, {"environment": common.environment(sys.argv), "cases": cases})
+    common.write_json(out, {"environment": common.environment(sys.argv), "cases": cases})
     return 0
 
 

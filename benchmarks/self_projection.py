@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REPO, environment, reference_line, save_figure, write_json  # noqa: E402
+from benchmarks.common import (REPO, add_output_arguments, claim_outputs, environment, reference_line,  # noqa: E402
+                               save_figure, write_json)
 
 NOTE = ("step times from long_context.py --draft self (Llama-3.1-8B shapes, random weights), acceptance from "
         "paired.py --draft self on a trained target; self-diffspec pays a retrieval and a rebuild every N cycles, N "
@@ -117,8 +118,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", action="append", required=True, help="long_context.py --draft self JSON (repeat)")
     ap.add_argument("--acceptance", action="append", required=True,
                     help="NAME=paired.py --draft self JSON (repeat; NAME labels the source)")
-    ap.add_argument("--out", required=True)
+    add_output_arguments(ap, None, required=True, help="output JSON (the figure is written beside it, .png)")
     args = ap.parse_args(argv)
+    out, png = claim_outputs(ap, args, [args.out, Path(args.out).with_suffix(".png")], __file__)
     sources = {}
     for item in args.acceptance:
         name, sep, file = item.partition("=")
@@ -133,10 +135,9 @@ def main(argv=None) -> int:
         raise SystemExit("no self-draft cells in the --steps files (run long_context.py --draft self)")
     for c in cells:
         c["projected_speedup"] = {n: project(c, a) for n, a in sources.items()}
-    out = Path(args.out)
     payload = {"benchmark": "self-drafting projected speedup", "environment": environment(sys.argv), "note": NOTE,
                "acceptance": sources, "cells": cells}
-    payload["figure"] = plot(payload, out.with_suffix(".png"))
+    payload["figure"] = plot(payload, png)
     write_json(out, payload)
     for c in cells:
         print(f"{c['context'] // 1024}K x {c['batch']} budget {c['budget']}: self/target step "

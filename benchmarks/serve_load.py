@@ -412,10 +412,9 @@ def plot(payload: dict, path: Path) -> str | None:
     fig.suptitle(f"{s['clients']} clients, {s['requests']} requests, prompts {s['prompt_lens']}, {s['new_tokens']} new "
                  f"tokens, rate {s['rate'] or 'all at once'}" + (" (random weights)" if not s.get("url") else ""),
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    from benchmarks.common import save_figure
+
+    return save_figure(fig, path)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -445,6 +444,9 @@ def parser() -> argparse.ArgumentParser:
                          "time of the policies run so far; each policy's time limit is at most what remains (0: none)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and a small load (CPU smoke test)")
     ap.add_argument("--out", default=None, help="output directory: serve_load.json and serve_load.png (required)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a serve_load.json / serve_load.png in --out that no diffspec tool wrote (moved to "
+                         "NAME.replaced-<time>, nothing is deleted)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--policy", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -463,10 +465,13 @@ def main(argv=None) -> int:
         return child(args)
     if not args.out:
         parser().error("--out DIR is required")
-    from benchmarks.common import write_json
+    from benchmarks.common import claim_outputs, write_json
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        parser().error(f"--out {out} exists and is not a directory; give a directory (it receives serve_load.json "
+                       f"and serve_load.png)")
+    result, figure = claim_outputs(parser(), args, [out / "serve_load.json", out / "serve_load.png"], __file__)
     payload = {"benchmark": "serve_load: OpenAI server under concurrent streaming clients vs offline generate()",
                "settings": vars(args), "runs": [],
                "definitions": DEFINITIONS,
@@ -499,9 +504,9 @@ def main(argv=None) -> int:
                     continue
                 limit = min(limit or np.inf, args.time_budget_s - spent)
             payload["runs"].append(run_policy(policy, args, limit))
-            write_json(out / "serve_load.json", payload)
-    write_json(out / "serve_load.json", payload)
-    png = plot(payload, out / "serve_load.png")
+            write_json(result, payload)
+    write_json(result, payload)
+    png = plot(payload, figure)
     for r in payload["runs"]:
         s = r.get("server") or {}
         print(json.dumps({"policy": r["policy"], "server_tok_s": s.get("output_tokens_per_s"),

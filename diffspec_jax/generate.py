@@ -23,6 +23,7 @@ This module is also callable: ``diffspec_jax.generate(target, draft, prompts, ..
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import os
@@ -41,8 +42,8 @@ from diffspec_jax.mesh import make_mesh
 from diffspec_jax.target import check_token_ids, load_target
 from diffspec_jax.config import KERNEL_CHOICES, KERNELS_ENV, DiffSpec, SamplingConfig, SpecConfig, Tree
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
-from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_int, check_stop_strings, read_text,
-                                     report_error)
+from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_int, check_stop_strings,
+                                     decode_text, read_at_most, read_text, report_error)
 
 
 def default_pair() -> tuple[Path, Path]:
@@ -63,20 +64,28 @@ def _tokenizer(path: Path):
                               f"files are damaged or incomplete") from exc
 
 
-def _read_stdin() -> str:
-    """The prompt from standard input (``--prompt-file -``), as UTF-8 text."""
-    data = sys.stdin.buffer.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"standard input is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); convert it "
-                         f"to UTF-8 first") from None
-    if not text.strip():
-        raise InputError("--prompt-file - read an empty prompt from standard input")
-    return text
+#: the largest prompt ``--prompt-file`` (or standard input) reads by default: 2**20 tokens (beyond the context window
+#: of every supported model) at 16 bytes per token (UTF-8 text averages about 4); ``--max-prompt-bytes`` raises it
+MAX_PROMPT_BYTES = 16 << 20
 
 
-def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
+def _prompt_text(args) -> str | None:
+    """The prompt text of ``--prompt-file`` (``-``: standard input) or ``--prompt``; ``None`` for ``--prompt-ids``
+    or the built-in prompt. A file or input of more than ``--max-prompt-bytes`` bytes is refused after reading
+    that many (so ``/dev/zero`` fails at once)."""
+    hint = f" of --max-prompt-bytes ({MAX_PROMPT_BYTES} by default); pass a larger --max-prompt-bytes"
+    if args.prompt_file == "-":
+        text = decode_text(read_at_most(sys.stdin.buffer, args.max_prompt_bytes, "standard input", InputError,
+                                        hint), "standard input")
+        if not text.strip():
+            raise InputError("--prompt-file - read an empty prompt from standard input")
+        return text
+    if args.prompt_file is not None:
+        return read_text(args.prompt_file, "prompt file", max_bytes=args.max_prompt_bytes, raise_hint=hint)
+    return args.prompt
+
+
+def _prompt_ids(args, text: str | None, tok) -> list[int]:
     if args.prompt_ids is not None:
         parts = [x.strip() for x in args.prompt_ids.split(",")]
         if not any(parts):
@@ -92,13 +101,6 @@ def _prompt_ids(args, tok, vocab_size: int) -> list[int]:
                 raise InputError(f"--prompt-ids must be comma-separated integers, got {x!r} in "
                                  f"{args.prompt_ids!r}") from None
         return ids
-    text = None
-    if args.prompt_file == "-":
-        text = _read_stdin()
-    elif args.prompt_file is not None:
-        text = read_text(args.prompt_file, "prompt file")
-    elif args.prompt is not None:
-        text = args.prompt
     if text is None:
         text = demo.prompt_text()  # the built-in long prompt: a held-out standard-library module
     if tok is None:
@@ -201,6 +203,9 @@ def build_parser() -> ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt text (- reads standard input)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    ap.add_argument("--max-prompt-bytes", type=int, default=MAX_PROMPT_BYTES,
+                    help=f"refuse a --prompt-file (or standard input) larger than this (default {MAX_PROMPT_BYTES}: "
+                         f"2**20 tokens at 16 bytes each)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=None,
@@ -232,13 +237,51 @@ def _sampling(args, target_dir: Path) -> tuple[SamplingConfig, dict]:
                              for k, v in given.items()}), defaults
 
 
+#: options that only shape speculative decoding: with --no-draft they would be ignored, so they are refused
+SPECULATIVE_OPTIONS = ("draft", "draft_tp", "compare", "num_speculative_tokens", "policy", "chunk_size", "token_budget",
+                       "retrieval_interval", "verification_mode", "max_tree_nodes", "tree_topk", "tree_branching",
+                       "tree_threshold", "adaptive")
+#: options of tree verification: refused unless --verification-mode tree (chain drafting ignores them)
+TREE_OPTIONS = ("max_tree_nodes", "tree_topk", "tree_branching", "tree_threshold")
+
+
+def given_options(argv: list[str] | None) -> dict[str, str]:
+    """The options given on the command line ``argv`` (not left at their defaults), as ``{dest: option name}``."""
+    probe = build_parser()
+    names = {a.dest: max(a.option_strings, key=len) for a in probe._actions if a.option_strings}
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+    return {dest: names[dest] for dest in vars(probe.parse_args(argv)) if dest in names}
+
+
+def check_option_combinations(args, given: dict[str, str]) -> None:
+    """Refuse options that contradict each other or that the other options make ineffective (a
+    :class:`ConfigError`: exit status 2), rather than ignoring them without a word."""
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be a positive integer (devices on the tensor-parallel axis), got {args.tp}")
+    if args.draft_tp is not None and args.draft_tp not in (1, args.tp):
+        raise ConfigError(f"--draft-tp must be 1 (a replicated draft) or equal to --tp (a draft sharded like the "
+                          f"target; --tp is {args.tp}), got {args.draft_tp}")
+    ignored = [given[d] for d in SPECULATIVE_OPTIONS if d in given]
+    if args.no_draft and ignored:
+        raise ConfigError(f"--no-draft decodes with the target alone, so {', '.join(ignored)} would have no effect; "
+                          f"drop {'them' if len(ignored) > 1 else 'it'} or --no-draft")
+    tree = [given[d] for d in TREE_OPTIONS if d in given]
+    if tree and args.verification_mode != "tree":
+        raise ConfigError(f"{', '.join(tree)} shape{'' if len(tree) > 1 else 's'} tree verification, but "
+                          f"--verification-mode is {args.verification_mode} (chain drafting); add --verification-mode "
+                          f"tree or drop {'them' if len(tree) > 1 else 'it'}")
+    if args.chat and args.prompt_ids is not None:
+        raise ConfigError("--chat wraps prompt text in the chat template, but --prompt-ids gives token ids; give the "
+                          "text with --prompt or --prompt-file, or drop --chat")
+    check_int(args.max_prompt_bytes, "--max-prompt-bytes", min=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.tp < 1:
-            raise ConfigError(f"--tp must be a positive integer (devices on the tensor-parallel axis), got {args.tp}")
-        if args.draft_tp is not None and args.draft_tp < 1:
-            raise ConfigError(f"--draft-tp must be 1 (replicated draft) or --tp, got {args.draft_tp}")
+        check_option_combinations(args, given_options(argv))
+        text = _prompt_text(args)  # before any model is loaded: a bad prompt file fails at once
         self_draft = args.draft == engine.SELF and not args.no_draft
         target_dir, draft_dir, embedded = model_dirs(args, self_draft_ok=True)
         if embedded:
@@ -254,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stop and tok is None:
             raise InputError("--stop matches text, but the target directory has no tokenizer (stop at token ids "
                              "with the EOS ids of its generation_config.json instead)")
-        prompt = _prompt_ids(args, tok, target.config.vocab_size)
+        prompt = _prompt_ids(args, text, tok)
         # the CLI's own checks, before anything is printed (whatever generate() checks itself)
         check_token_ids(prompt, target.config.vocab_size, "the prompt")
         check_int(args.max_new_tokens, "--max-new-tokens", min=1, error=InputError)

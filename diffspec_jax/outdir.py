@@ -12,6 +12,10 @@
 * nothing the tool did not write is ever deleted: a previous output of a diffspec tool is replaced, anything else
   (only with ``--overwrite``) is moved aside to ``<out>.replaced-<time>``.
 
+:class:`OutputFile` applies the same policy to a single output file (the benchmarks' ``--out`` JSON and figure):
+an existing file is replaced only when a diffspec tool wrote it (a JSON output carries a mark with a digest of its
+contents, a PNG a ``Software`` text), each write goes to a temporary sibling and is renamed into place.
+
 Manifest format (``diffspec_manifest.json``, JSON)::
 
     {"format": "diffspec-manifest", "version": 1, "tool": "checkpoints_tools.convert", "algorithm": "sha256",
@@ -404,11 +408,7 @@ class OutputDir:
             if self._existing is None and not self.overwrite:
                 raise OutputDirError(f"{self.option} {self.given} was created by someone else while this run wrote "
                                      f"its output; the output is in {self.partial}")
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            backup = out.parent / f"{out.name}.replaced-{stamp}"
-            n = 1
-            while backup.exists():
-                backup, n = out.parent / f"{out.name}.replaced-{stamp}-{n}", n + 1
+            backup = _free_name(out.parent, f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
             os.rename(out, backup)
             os.rename(self.partial, out)
             self.replaced = backup
@@ -430,3 +430,157 @@ class OutputDir:
             return f"{self.option} {self.given} is unchanged; the unfinished output is kept in {self.partial} ({what})"
         shutil.rmtree(self.partial, ignore_errors=True)
         return None
+
+
+# ------------------------------------------------------------------------------------------ single files
+#: the key of a JSON output's mark: ``{"tool": ..., "sha256": <SHA-256 of the canonical JSON of the other keys>}``
+MARK_KEY = "diffspec_output"
+#: PNG outputs carry ``Software: diffspec-jax <tool>`` (a ``tEXt`` chunk)
+PNG_SOFTWARE = "diffspec-jax"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _json_digest(payload: dict) -> str:
+    rest = json.loads(json.dumps({k: v for k, v in payload.items() if k != MARK_KEY}))  # as a reader sees it
+    return hashlib.sha256(_canonical(rest)).hexdigest()
+
+
+def mark_json(payload: dict, tool: str) -> dict:
+    """``payload`` with its mark under :data:`MARK_KEY` (first): which tool wrote it and a digest of the rest, so
+    a later run can tell its own unchanged output from anyone else's file."""
+    rest = {k: v for k, v in payload.items() if k != MARK_KEY}
+    return {MARK_KEY: {"tool": tool, "sha256": _json_digest(rest)}, **rest}
+
+
+def png_metadata(tool: str) -> dict[str, str]:
+    """The ``metadata`` of ``savefig`` for a PNG output: marks it as written by ``tool``."""
+    return {"Software": f"{PNG_SOFTWARE} {tool}"}
+
+
+def _png_software(data: bytes) -> str | None:
+    """The ``Software`` text of a PNG (``None`` for anything else)."""
+    if not data.startswith(_PNG_SIGNATURE):
+        return None
+    at = len(_PNG_SIGNATURE)
+    while at + 8 <= len(data):
+        size, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
+        body = data[at + 8:at + 8 + size]
+        if kind == b"tEXt" and body.startswith(b"Software\x00"):
+            return body[len(b"Software\x00"):].decode("latin-1")
+        if kind in (b"IDAT", b"IEND"):  # matplotlib writes its text chunks before the image data
+            return None
+        at += 12 + size
+    return None
+
+
+def file_written_by_diffspec(path: str | Path) -> bool:
+    """Whether ``path`` is a file a diffspec tool wrote and nobody changed since: a JSON object whose mark's digest
+    matches the rest, or a PNG marked by :func:`png_metadata`."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    try:
+        body = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        software = _png_software(data)
+        return software is not None and software.startswith(PNG_SOFTWARE + " ")
+    mark = body.get(MARK_KEY) if isinstance(body, dict) else None
+    return isinstance(mark, dict) and mark.get("sha256") == _json_digest(body)
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class OutputFile:
+    """Write one output file (a benchmark's JSON or figure) with :class:`OutputDir`'s policy:
+
+    * :meth:`check` runs first, before any work: ``path`` may not be a directory or another non-regular file; an
+      existing non-empty file is refused unless a diffspec tool wrote it (:func:`file_written_by_diffspec`) or
+      ``overwrite`` is given;
+    * each write goes to a temporary sibling, renamed into place, so a reader never sees half a file; the run may
+      rewrite its own file as often as it likes (a benchmark after every shape: a run cut short keeps what it
+      measured);
+    * nothing the tool did not write is deleted: with ``overwrite`` a foreign file is moved to
+      ``<name>.replaced-<time>`` at the first write; a file changed by someone else while the run wrote it is
+      left alone (the run's output then stays in the temporary file, named in the error).
+
+    Raises:
+        OutputDirError: from :meth:`check` (nothing written) and from a write that would lose someone's file.
+    """
+
+    def __init__(self, path: str | Path, *, tool: str, overwrite: bool = False, option: str = "--out"):
+        self.given, self.path = Path(path), _resolve(path)
+        self.tool, self.overwrite, self.option = tool, bool(overwrite), option
+        self.replaced: Path | None = None
+        self._expect: tuple | None = None  # the file as last seen (checked or written); None = absent
+        self._foreign = False
+        self._checked = False
+
+    def __str__(self) -> str:
+        return str(self.given)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def check(self) -> None:
+        """Every refusal (no side effects)."""
+        path, opt = self.path, self.option
+        if path.is_dir():
+            raise OutputDirError(f"{opt} {self.given} is a directory; give a file name")
+        if path.exists() and not path.is_file():
+            raise OutputDirError(f"{opt} {self.given} exists and is not a regular file; choose another path")
+        self._foreign = False
+        if path.is_file() and path.stat().st_size and not file_written_by_diffspec(path):
+            if not self.overwrite:
+                raise OutputDirError(
+                    f"{opt} {self.given} exists and was not written by a diffspec-jax tool; choose another path, "
+                    f"or pass --overwrite to replace it (it is moved to {path.name}.replaced-<time> beside it; "
+                    f"nothing is deleted)")
+            self._foreign = True
+        self._expect = _signature(path)
+        self._checked = True
+
+    def write_bytes(self, data: bytes) -> Path:
+        """Write ``data`` to the file (temporary sibling, then rename); returns the path."""
+        if not self._checked:
+            self.check()
+        path = self.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.partial-{os.getpid()}"
+        tmp.write_bytes(data)
+        try:
+            if _signature(path) != self._expect:
+                raise OutputDirError(f"{self.option} {self.given} was changed by someone else while this run wrote "
+                                     f"it, and is left as it is; this run's output is in {tmp}")
+            if self._foreign and path.exists():
+                self.replaced = _free_name(path.parent, f"{path.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+                os.rename(path, self.replaced)
+                print(f"note: the previous {self.given} was moved to {self.replaced}", file=sys.stderr)
+            self._foreign = False
+            os.replace(tmp, path)
+        except OutputDirError:
+            raise
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._expect = _signature(path)
+        return path
+
+    def write_json(self, payload: dict) -> Path:
+        """Write ``payload`` as indented JSON, marked as this tool's output (:func:`mark_json`)."""
+        return self.write_bytes((json.dumps(mark_json(payload, self.tool), indent=2) + "\n").encode())
+
+
+def _free_name(parent: Path, name: str) -> Path:
+    candidate, n = parent / name, 1
+    while candidate.exists():
+        candidate, n = parent / f"{name}-{n}", n + 1
+    return candidate

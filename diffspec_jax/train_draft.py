@@ -32,6 +32,7 @@ error, 1 = other error.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 
@@ -43,9 +44,10 @@ from checkpoints_tools.hf import check_dir, save_eagle3
 from diffspec_jax.config import DraftConfig, RopeConfig
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
 from diffspec_jax.models import eagle3, family
+from diffspec_jax.models import params as tables
 from diffspec_jax.outdir import OutputDir
 from diffspec_jax.target import TargetModel, load_target
-from diffspec_jax.training import OptimConfig, TokenStream, cast_floats, train_loop
+from diffspec_jax.training import OptimConfig, TokenStream, cast_floats, check_resume, train_loop
 from diffspec_jax.validation import ArgumentParser, check_choice, check_int, check_real, read_text, report_error
 
 TOOL = "diffspec_jax.train_draft"
@@ -170,11 +172,14 @@ def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: 
                      draft_vocab=draft_vocab, aux_layers=aux_layers, seed=seed, attention=attention,
                      eval_stream=eval_stream, eval_every=eval_every, log_every=log_every)
     tc = target.config
-    n = tc.num_hidden_layers
-    aux = tuple(int(a) for a in aux_layers) if aux_layers is not None else (2, n // 2, n - 3)
-    used = draft_vocabulary(stream.tokens, tc.vocab_size, draft_vocab or tc.vocab_size)
-    cfg = draft_config_for(target, len(used), aux)
-    cfg.resolve_aux_layers(tc)
+    cfg, used = plan_draft(target, stream, draft_vocab, aux_layers)
+    aux = cfg.aux_layer_ids
+    if ckpt_dir is not None:
+        check_checkpoints(ckpt_dir, target, cfg, used, steps)
+        record = Path(ckpt_dir) / RUN_RECORD
+        if not record.exists():
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps(run_record(target, cfg, used), indent=1) + "\n")
     params = eagle3.init_params(cfg, num_aux=len(aux), seed=seed, dtype=jnp.float32,
                                 scale=1.0 / np.sqrt(cfg.hidden_size), used_ids=used)
     params = {k: (jnp.ones_like(v) if v.ndim == 1 and k != "d2t" else v) for k, v in params.items()}
@@ -196,6 +201,72 @@ def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: 
                                     frozen=frozen, ckpt_dir=ckpt_dir, seed=seed, eval_fn=eval_fn,
                                     eval_every=eval_every, log_every=log_every, progress=progress)
     return cfg, {**trainable, "d2t": params["d2t"], "embed": target.params["embed"]}, history
+
+
+def plan_draft(target: TargetModel, stream: TokenStream, draft_vocab: int | None,
+               aux_layers: tuple[int, ...] | None) -> tuple[DraftConfig, np.ndarray]:
+    """The draft's config and vocabulary (target ids, ascending) for this target and data."""
+    tc = target.config
+    n = tc.num_hidden_layers
+    aux = tuple(int(a) for a in aux_layers) if aux_layers is not None else (2, n // 2, n - 3)
+    used = draft_vocabulary(stream.tokens, tc.vocab_size, draft_vocab or tc.vocab_size)
+    cfg = draft_config_for(target, len(used), aux)
+    cfg.resolve_aux_layers(tc)
+    return cfg, used
+
+
+#: the settings of the run whose checkpoints a checkpoint directory holds (JSON, beside the Orbax steps)
+RUN_RECORD = "diffspec_train_draft.json"
+#: what each entry of the record is on the command line (named when a resumed run differs)
+RECORD_NAMES = {"target": "the target's shape (--target)", "draft_vocab": "the draft vocabulary size (--draft-vocab)",
+                "draft_vocab_ids_sha256": "the draft vocabulary's ids differ (they are the most frequent ids of "
+                                          "--data: the training data changed)",
+                "aux_layers": "the target layers read (--aux-layers)"}
+
+
+def run_record(target: TargetModel, cfg: DraftConfig, used: np.ndarray) -> dict:
+    """What a checkpoint of this run depends on: a run that differs in any of it cannot continue from it."""
+    tc = target.config
+    return {"tool": TOOL, "target": {"hidden_size": tc.hidden_size, "num_hidden_layers": tc.num_hidden_layers,
+                                     "vocab_size": tc.vocab_size},
+            "draft_vocab": int(len(used)),
+            "draft_vocab_ids_sha256": hashlib.sha256(np.asarray(used, np.int64).tobytes()).hexdigest(),
+            "aux_layers": [int(a) for a in cfg.aux_layer_ids]}
+
+
+def check_checkpoints(ckpt_dir: str | Path, target: TargetModel, cfg: DraftConfig, used: np.ndarray,
+                      steps: int) -> int | None:
+    """Whether this run can write to and continue from ``ckpt_dir`` (reads only, so the CLI runs it before writing
+    anything); returns the step it resumes from (``None``: a fresh start).
+
+    Raises:
+        ConfigError: ``ckpt_dir`` holds foreign step folders, checkpoints of a run with other settings (each
+            difference named), or more than ``steps`` steps.
+    """
+    if not Path(ckpt_dir).is_dir():
+        return check_resume(ckpt_dir, {}, steps)  # absent: a fresh start; a file: refused
+    file = Path(ckpt_dir) / RUN_RECORD
+    if file.exists():
+        try:
+            old = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"{file} is unreadable ({exc}); it describes the checkpoints beside it: choose another "
+                              f"--ckpt-dir") from None
+        new = run_record(target, cfg, used)
+        differ = [k for k in new if isinstance(old, dict) and old.get(k) != new[k]]
+        if "draft_vocab" in differ:  # then the ids differ too
+            differ.remove("draft_vocab_ids_sha256")
+        diffs = [RECORD_NAMES[k] if k == "draft_vocab_ids_sha256" else
+                 f"{RECORD_NAMES.get(k, k)}: {old.get(k)} there, {new[k]} here" for k in differ]
+        if not isinstance(old, dict) or old.get("tool") != TOOL:
+            diffs = [f"{file} was not written by {TOOL}"]
+        if diffs:
+            raise ConfigError(f"--ckpt-dir {ckpt_dir} holds checkpoints of another training run ({'; '.join(diffs)}); "
+                              f"choose another --ckpt-dir, or that run's settings to continue it")
+    trained = {k: v for k, v in tables.shapes(eagle3.param_table(cfg, len(cfg.aux_layer_ids))).items()
+               if k not in FROZEN_KEYS}
+    return check_resume(ckpt_dir, trained, steps,
+                        hint=" (another --draft-vocab, --aux-layers or target than the run that wrote it?)")
 
 
 def check_train_args(target: TargetModel, stream: TokenStream, *, steps, batch, seq_len, ttt_steps, draft_vocab,
@@ -328,6 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         enc = lambda texts: [np.asarray(tok(t)["input_ids"], np.int32) for t in texts]  # noqa: E731
         stream = TokenStream(enc(texts), eos)
         eval_stream = TokenStream(enc(eval_texts), eos) if eval_texts else None
+        # the settings and the checkpoint directory, before anything is written
+        check_train_args(target, stream, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+                         ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, aux_layers=args.aux_layers,
+                         seed=args.seed, attention=args.attention, eval_stream=eval_stream,
+                         eval_every=args.eval_every if eval_stream else 0)
+        cfg, used = plan_draft(target, stream, args.draft_vocab, args.aux_layers)
+        resumed = check_checkpoints(args.ckpt_dir or out.partial / "checkpoints", target, cfg, used, args.steps)
         with out as work:
             cfg, params, history = train_draft(
                 target, stream, steps=args.steps, batch=args.batch, seq_len=args.seq_len, ttt_steps=args.ttt_steps,
@@ -338,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
             export_draft(work, cfg, params, history=history)
     except (DiffspecError, OSError) as exc:
         return report_error(exc)
-    print(json.dumps(history[-1]))
+    print(json.dumps(history[-1] if history else {"step": resumed, "note": "the checkpoints already held every "
+                                                                          "step: exported the last one"}))
     return 0
 
 

@@ -162,6 +162,66 @@ def _manager(path: Path, keep: int = 2):
     return ocp.CheckpointManager(path.absolute(), options=ocp.CheckpointManagerOptions(max_to_keep=keep))
 
 
+def checkpoint_steps(ckpt_dir: str | Path) -> list[int]:
+    """The steps of the Orbax checkpoints in ``ckpt_dir``, ascending (``[]`` when it does not exist or holds none);
+    reads only.
+
+    Raises:
+        ConfigError: ``ckpt_dir`` is not a directory, or holds an entry named like a step (``1``, ``200``) that is no
+            Orbax checkpoint: Orbax would fail to restore it, or delete it as an old step.
+    """
+    d = Path(ckpt_dir)
+    if not d.exists():
+        return []
+    if not d.is_dir():
+        raise ConfigError(f"checkpoint directory {d} exists and is not a directory; choose another one")
+    steps = []
+    for p in d.iterdir():
+        if not p.name.isdigit():
+            continue
+        if not ((p / "_CHECKPOINT_METADATA").is_file() and (p / "default" / "_METADATA").is_file()):
+            raise ConfigError(f"checkpoint directory {d} holds {p.name}{'/' if p.is_dir() else ''}, named like a "
+                              f"training step but not an Orbax checkpoint of one; choose a new or empty checkpoint "
+                              f"directory (training would write among these files and delete old steps)")
+        steps.append(int(p.name))
+    return sorted(steps)
+
+
+def check_resume(ckpt_dir: str | Path | None, shapes: Any, steps: int, *, hint: str = "") -> int | None:
+    """The step that :func:`train_loop` resumes from (``None``: it starts afresh), checked before anything is
+    written: every step-named entry is an Orbax checkpoint, the newest one holds parameters of exactly ``shapes``
+    (the trained params as a pytree of shape tuples) and lies at or before ``steps``; reads only.
+
+    Raises:
+        ConfigError: naming the first problem (``hint`` is appended to a parameter mismatch).
+    """
+    found = checkpoint_steps(ckpt_dir) if ckpt_dir is not None else []
+    if not found:
+        return None
+    latest = found[-1]
+    where = Path(ckpt_dir) / str(latest)
+    if latest > steps:
+        raise ConfigError(f"the newest checkpoint in {ckpt_dir} is at step {latest}, past the {steps} steps asked "
+                          f"for: ask for at least {latest} steps to continue that run, or choose another checkpoint "
+                          f"directory")
+    try:
+        tree = ocp.StandardCheckpointer().metadata((where / "default").absolute()).item_metadata.tree["params"]
+        held = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in
+                jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]}
+    except Exception as exc:  # orbax raises many types for damaged metadata
+        raise ConfigError(f"cannot read the checkpoint {where} ({type(exc).__name__}: {exc}); it is damaged or not a "
+                          f"training checkpoint: choose another checkpoint directory") from None
+    want = {jax.tree_util.keystr(k): tuple(v) for k, v in
+            jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]}
+    diffs = [f"{k}: {held.get(k, 'absent')} there, {want.get(k, 'absent')} here" for k in sorted(set(held) | set(want))
+             if held.get(k) != want.get(k)]
+    if diffs:
+        shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
+        raise ConfigError(f"the checkpoint {where} holds parameters of another shape than this run's ({shown}){hint}; "
+                          f"choose another checkpoint directory, or the settings of the run that wrote it")
+    return latest
+
+
 def train_loop(loss_fn: Callable, params: Any, stream: TokenStream, *, steps: int, batch: int, length: int,
                optim: OptimConfig, frozen: Any = None, ckpt_dir: str | Path | None = None, ckpt_every: int = 200,
                log_every: int = 20, seed: int = 0, eval_fn: Callable | None = None, eval_every: int = 0,
@@ -171,14 +231,18 @@ def train_loop(loss_fn: Callable, params: Any, stream: TokenStream, *, steps: in
     ``frozen`` (e.g. a frozen target's params) is passed to the jitted step as an argument, never captured.
 
     Resumes from the newest Orbax checkpoint in ``ckpt_dir`` when there is one (the data order is a function
-    of the step, so a resumed run continues exactly). Returns the final params and the logged history.
+    of the step, so a resumed run continues exactly; :func:`check_resume` first). Returns the final params and the
+    logged history.
+
+    Raises:
+        ConfigError: ``ckpt_dir`` holds something else than checkpoints of these params, or steps past ``steps``.
     """
     tx = make_optimizer(optim)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
     mgr = None
     if ckpt_dir is not None:
+        latest = check_resume(ckpt_dir, jax.tree_util.tree_map(lambda x: tuple(x.shape), params), steps)
         mgr = _manager(Path(ckpt_dir))
-        latest = mgr.latest_step()
         if latest is not None:
             abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
             state = mgr.restore(latest, args=ocp.args.StandardRestore(abstract))

@@ -99,21 +99,42 @@ def _show(value: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ files
-def read_text(path: str | Path, what: str = "file", *, error: type[DiffspecError] = InputError) -> str:
+def read_text(path: str | Path, what: str = "file", *, error: type[DiffspecError] = InputError,
+              max_bytes: int | None = None, raise_hint: str = "") -> str:
     """The UTF-8 text of ``path``; ``error`` (naming ``what``) when it is missing, a directory, unreadable or not
-    UTF-8."""
+    UTF-8, or holds more than ``max_bytes`` bytes (at most ``max_bytes + 1`` are read, so an endless file such as
+    ``/dev/zero`` fails at once; ``raise_hint`` says how to raise the limit)."""
     path = Path(path)
     if not path.exists():
         raise error(f"{what} {path} does not exist")
     if path.is_dir():
         raise error(f"{what} {path} is a directory, not a file")
     try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise error(f"{what} {path} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
-                    f"convert it to UTF-8 first") from None
+        with open(path, "rb") as f:
+            return decode_text(read_at_most(f, max_bytes, f"{what} {path}", error, raise_hint), f"{what} {path}",
+                               error)
     except OSError as exc:
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+def read_at_most(stream, max_bytes: int | None, what: str, error: type[DiffspecError] = InputError,
+                 raise_hint: str = "") -> bytes:
+    """All bytes of a binary ``stream``, or ``error`` once it holds more than ``max_bytes`` (``None``: no limit)."""
+    if max_bytes is None:
+        return stream.read()
+    data = stream.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise error(f"{what} holds more than {max_bytes} bytes, the limit{raise_hint}")
+    return data
+
+
+def decode_text(data: bytes, what: str, error: type[DiffspecError] = InputError) -> str:
+    """``data`` as UTF-8 text, or ``error`` naming ``what`` and the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} is not UTF-8 text (byte {exc.start} is {data[exc.start]:#04x}); convert it to UTF-8 "
+                    f"first") from None
 
 
 def read_json_object(path: str | Path, what: str = "config.json", *,

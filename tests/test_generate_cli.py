@@ -64,7 +64,8 @@ def test_tree_mode_flags(random_pair, capsys):
     # one child per node: the tree is a chain of K = 3 nodes, under the budget of round4(7 / 1.5) = 4
     assert s["verification_mode"] == "tree" and s["mean_tree_size"] == 3
     assert s["drafting"]["per_sequence"][0]["branching"]["caps"] == [1, 1, 1]
-    code, out = run_cli(["--target", str(target), "--prompt-ids", "1,2", "--tree-branching", "bushy"], capsys)
+    code, out = run_cli(["--target", str(target), "--prompt-ids", "1,2", "--verification-mode", "tree",
+                         "--tree-branching", "bushy"], capsys)
     assert code == 2 and "diffspec_tree_branching" in out.err
 
 
@@ -389,3 +390,41 @@ def test_usage_errors_exit_2_without_a_traceback(random_pair, capsys, args, need
 def test_empty_stop_string_is_a_usage_error(bpe_pair, capsys):
     code, out = run_cli(["--target", str(bpe_pair.target), "--prompt", "x", "--stop", ""], capsys)
     assert code == 2 and "--stop[0] is an empty string" in out.err and "Traceback" not in out.err
+
+
+def test_prompt_size_cap_fails_fast_without_loading_a_model(tmp_path, monkeypatch, capsys):
+    """--prompt-file (or standard input) larger than --max-prompt-bytes is a usage error after reading that many
+    bytes: /dev/zero fails at once, before any checkpoint is loaded (issue 38)."""
+    import io
+    import time
+
+    from diffspec_jax.generate import MAX_PROMPT_BYTES
+
+    t0 = time.perf_counter()
+    code, out = run_cli(["--prompt-file", "/dev/zero", "--target", str(tmp_path / "absent")], capsys)
+    assert code == 2 and f"holds more than {MAX_PROMPT_BYTES} bytes" in out.err and "--max-prompt-bytes" in out.err
+    assert "Traceback" not in out.err and time.perf_counter() - t0 < 5
+    (tmp_path / "p.txt").write_text("12345")
+    code, out = run_cli(["--prompt-file", str(tmp_path / "p.txt"), "--max-prompt-bytes", "4"], capsys)
+    assert code == 2 and "p.txt holds more than 4 bytes" in out.err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"x" * 5)))
+    code, out = run_cli(["--prompt-file", "-", "--max-prompt-bytes", "4"], capsys)
+    assert code == 2 and "standard input holds more than 4 bytes" in out.err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--draft", "self", "--no-draft"], "--no-draft decodes with the target alone, so --draft would have no effect"),
+    (["--draft-tp", "3", "--tp", "1"], "--draft-tp must be 1 (a replicated draft) or equal to --tp"),
+    (["--draft-tp", "2", "--tp", "4"], "--tp is 4), got 2"),
+    (["--no-draft", "--draft-tp", "1"], "--draft-tp would have no effect"),
+    (["--no-draft", "-k", "3", "--policy", "full", "--compare"], "--compare, --num-speculative-tokens, --policy"),
+    (["--max-tree-nodes", "8"], "--max-tree-nodes shapes tree verification, but --verification-mode is auto"),
+    (["--verification-mode", "linear", "--tree-topk", "2", "--tree-branching", "full"],
+     "--tree-topk, --tree-branching"),
+    (["--chat", "--prompt-ids", "1,2"], "--chat wraps prompt text"),
+])
+def test_contradictory_options_are_usage_errors(args, needle, capsys):
+    """Options that contradict each other, or that the others make ineffective, exit 2 before anything is loaded."""
+    code, out = run_cli(args + ["--target", "/nonexistent"], capsys)
+    assert code == 2 and needle in out.err and "Traceback" not in out.err
+    assert len([ln for ln in out.err.splitlines() if ln.strip()]) == 1

@@ -10,7 +10,8 @@ import shutil
 import pytest
 
 from diffspec_jax.errors import OutputDirError
-from diffspec_jax.outdir import MANIFEST, PARTIAL_MARKER, OutputDir, read_manifest, verify_manifest, written_by_diffspec
+from diffspec_jax.outdir import (MANIFEST, MARK_KEY, PARTIAL_MARKER, OutputDir, OutputFile, file_written_by_diffspec,
+                                 read_manifest, verify_manifest, written_by_diffspec)
 
 
 def tree_digest(root):
@@ -246,6 +247,109 @@ def test_bin_to_safetensors_never_replaces_existing_weights(small_hf, tmp_path, 
     assert tree_digest(d) == before
 
 
+# ------------------------------------------------------------------------------------------ OutputFile
+def test_output_file_refuses_a_user_file_and_rewrites_its_own(tmp_path, capsys):
+    user = tmp_path / "f.txt"
+    user.write_text("important\n")
+    with pytest.raises(OutputDirError, match="not written by a diffspec-jax tool.*--overwrite"):
+        OutputFile(user, tool="t").check()
+    assert user.read_text() == "important\n" and os.listdir(tmp_path) == ["f.txt"]
+    # a new file: written through a temporary sibling, rewritten as often as the run likes, marked as ours
+    out = OutputFile(tmp_path / "r" / "res.json", tool="t")
+    out.check()
+    for n in range(3):
+        out.write_json({"rows": list(range(n)), "x": float("nan")})
+    body = json.loads((tmp_path / "r" / "res.json").read_text())
+    assert body["rows"] == [0, 1] and body[MARK_KEY]["tool"] == "t" and os.listdir(tmp_path / "r") == ["res.json"]
+    # a later run replaces it; once someone edits it, it is theirs
+    assert file_written_by_diffspec(tmp_path / "r" / "res.json")
+    OutputFile(tmp_path / "r" / "res.json", tool="t").write_json({"rows": [9]})
+    edited = (tmp_path / "r" / "res.json").read_text().replace("9", "8")
+    (tmp_path / "r" / "res.json").write_text(edited)
+    with pytest.raises(OutputDirError, match="not written by a diffspec-jax tool"):
+        OutputFile(tmp_path / "r" / "res.json", tool="t").write_json({"rows": []})
+    assert (tmp_path / "r" / "res.json").read_text() == edited
+    # --overwrite: the user's file is moved aside at the first write, never deleted
+    out = OutputFile(user, tool="t", overwrite=True)
+    out.check()
+    out.write_json({"a": 1})
+    out.write_json({"a": 2})
+    assert out.replaced.read_text() == "important\n" and json.loads(user.read_text())["a"] == 2
+    assert "moved to" in capsys.readouterr().err
+    # a directory or a device is no output file; a file changed under a running write is left alone
+    for bad in (tmp_path / "r", "/dev/null"):
+        with pytest.raises(OutputDirError, match="directory|not a regular file"):
+            OutputFile(bad, tool="t", overwrite=True).check()
+    out = OutputFile(tmp_path / "late.json", tool="t")
+    out.check()
+    (tmp_path / "late.json").write_text("someone else's")
+    with pytest.raises(OutputDirError, match="changed by someone else"):
+        out.write_json({"a": 1})
+    assert (tmp_path / "late.json").read_text() == "someone else's"
+
+
+def test_png_outputs_carry_a_mark(tmp_path):
+    from benchmarks.common import save_figure
+
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    for _ in range(2):  # the second call replaces the first (ours)
+        assert save_figure(plt.figure(), tmp_path / "f.png") == "f.png"
+    assert file_written_by_diffspec(tmp_path / "f.png")
+    fig = plt.figure()
+    fig.savefig(tmp_path / "theirs.png")
+    plt.close(fig)
+    assert not file_written_by_diffspec(tmp_path / "theirs.png")
+    with pytest.raises(OutputDirError):
+        save_figure(plt.figure(), tmp_path / "theirs.png")
+    plt.close("all")
+
+
+#: every benchmark, with the arguments it needs besides --out (its output is checked before it measures anything)
+BENCHMARK_ARGS = {"lossless_check": [], "copy_probe": [], "decode_ablation": [], "flash_prefill": [], "kernels": [],
+                  "profile_steps": [], "paired": [], "e2e": [], "long_context": [],
+                  "self_projection": ["--steps", "s.json", "--acceptance", "a=b.json"]}
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARK_ARGS))
+def test_every_benchmark_refuses_to_overwrite_a_user_file(name, tmp_path, capsys):
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.{name}").main
+    user = tmp_path / "f.txt"
+    user.write_text("important\n")
+    with pytest.raises(SystemExit) as info:
+        main(BENCHMARK_ARGS[name] + ["--out", str(user)])
+    assert info.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert user.read_text() == "important\n" and os.listdir(tmp_path) == ["f.txt"]
+    if name in ("paired", "e2e", "long_context", "self_projection"):  # and the figure written beside the JSON
+        (tmp_path / "r.png").write_text("my picture")
+        with pytest.raises(SystemExit) as info:
+            main(BENCHMARK_ARGS[name] + ["--out", str(tmp_path / "r.json")])
+        assert info.value.code == 2 and "r.png" in capsys.readouterr().err
+        assert (tmp_path / "r.png").read_text() == "my picture" and not (tmp_path / "r.json").exists()
+
+
+def test_diffspec_bench_and_serve_load_keep_user_files(tmp_path, capsys, monkeypatch):
+    from benchmarks import serve_load
+    from diffspec_jax import cli
+
+    user = tmp_path / "f.txt"
+    user.write_text("important\n")
+    with pytest.raises(SystemExit) as info:  # the issue's case, through the diffspec command
+        cli.main(["bench", "lossless_check", "--pair", "nowhere", "--out", str(user)])
+    assert info.value.code == 2 and "f.txt exists and was not written by a diffspec-jax tool" in capsys.readouterr().err
+    assert user.read_text() == "important\n"
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "serve_load.json").write_text("{}")
+    for out in (user, tmp_path / "d"):
+        with pytest.raises(SystemExit) as info:
+            serve_load.main(["--quick", "--out", str(out)])
+        assert info.value.code == 2 and "error" in capsys.readouterr().err
+    assert user.read_text() == "important\n" and (tmp_path / "d" / "serve_load.json").read_text() == "{}"
+
+
 # ------------------------------------------------------------------------------------------ train_draft
 @pytest.fixture(scope="module")
 def target_with_tokenizer(small_hf, tmp_path_factory):
@@ -287,6 +391,27 @@ def test_train_draft_out_is_safe(target_with_tokenizer, tmp_path, capsys):
     from diffspec_jax import load_draft, load_target
 
     load_draft(fresh, load_target(target_with_tokenizer, "float32"))  # verifies the manifest
+    # --ckpt-dir is checked before anything is written: another run's settings, fewer --steps than it holds,
+    # folders named like steps that are no checkpoints (issue 38)
+    ck, foreign = tmp_path / "ck", tmp_path / "foreign"
+    shutil.copytree(fresh / "checkpoints", ck)
+    for step in "123":
+        user_dir(foreign / step)
+    before, theirs = tree_digest(ck), tree_digest(foreign)
+    capsys.readouterr()
+    vocab = args.index("--draft-vocab") + 1
+    for extra, needle in (((args[:vocab] + ["32"] + args[vocab + 1:]), "(--draft-vocab): 64 there, 32 here"),
+                          (args + ["--steps", "1"], "at step 2, past the 1 steps asked for"),
+                          (args + ["--ckpt-dir", str(foreign)], "holds 3/, named like a training step")):
+        ckpt = [] if "--ckpt-dir" in extra else ["--ckpt-dir", str(ck)]
+        assert main(extra + ckpt + ["--out", str(tmp_path / "again")]) == 2
+        assert needle in one_line_error(capsys.readouterr().err)
+        assert not (tmp_path / "again").exists() and siblings(tmp_path / "again") == []
+    assert tree_digest(ck) == before and tree_digest(foreign) == theirs
+    # the same settings and --steps: nothing left to train, the checkpoint is exported
+    assert main(args + ["--ckpt-dir", str(ck), "--out", str(tmp_path / "again")]) == 0
+    assert "already held every step" in capsys.readouterr().out
+    load_draft(tmp_path / "again", load_target(target_with_tokenizer, "float32"))
 
 
 # ------------------------------------------------------------------------------------------ demo build
