@@ -111,13 +111,15 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     return memoryview(arr).cast("B")
 
 
-def chain_hashes(data: memoryview, page_size: int, start: int, stop: int, prev: bytes) -> Iterator[bytes]:
+def chain_hashes(data: memoryview, page_size: int, start: int, stop: int, prev: bytes, lookahead: int = 0
+                 ) -> Iterator[bytes]:
     """Keys ``h_start .. h_{stop-1}`` of the full pages of ``data`` (tokens as little-endian int32 bytes), given
-    ``prev = h_{start-1}``: ``h_i = BLAKE2b-256(h_{i-1} || bytes of page i)``. Lazy, so a walk stops at a miss."""
+    ``prev = h_{start-1}``: ``h_i = BLAKE2b-256(h_{i-1} || bytes of page i and of the `lookahead` tokens after
+    it)``. Lazy, so a walk stops at a miss."""
     step = 4 * page_size
     for i in range(start, stop):
         digest = hashlib.blake2b(prev, digest_size=HASH_BYTES)
-        digest.update(data[i * step:(i + 1) * step])
+        digest.update(data[i * step:(i + 1) * step + 4 * lookahead])
         prev = digest.digest()
         yield prev
 
@@ -134,19 +136,28 @@ class PageManager:
     first key of every hash chain (give it the model identity and dtype). With ``prefix_caching=False`` no page is
     ever registered or reused; the pool and page tables work the same.
 
+    ``lookahead``: tokens after a page that its rows also depend on, folded into its key. An EAGLE-3 draft's store
+    entry at position p is projected from the target's features at p and the token at p + 1, so a page of the
+    draft's store is only right for a request whose next token after the page matches too (``lookahead=1``); a
+    page is then registered once that token is known, and reused only by a prompt that has it.
+
     Sequence ids are any hashable values chosen by the caller. A sequence's life: :meth:`admit` (prompt pages,
     reusing cached ones), :meth:`grow` (pages for more positions), :meth:`commit` (positions whose K/V are final;
     their full pages become cacheable), :meth:`free` (ends it, or preempts it: a preempted sequence is admitted
     again later with its prompt plus the tokens generated so far).
     """
 
-    def __init__(self, num_pages: int, page_size: int, *, namespace: str = "", prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, *, namespace: str = "", prefix_caching: bool = True,
+                 lookahead: int = 0):
         if int(num_pages) != num_pages or num_pages < 1:
             raise PagingError(f"num_pages must be a positive integer, got {num_pages!r}")
         if int(page_size) != page_size or page_size < 1:
             raise PagingError(f"page_size must be a positive integer, got {page_size!r}")
         self._num_pages, self._page_size = int(num_pages), int(page_size)
         self._caching = bool(prefix_caching)
+        if int(lookahead) != lookahead or lookahead < 0:
+            raise PagingError(f"lookahead must be a non-negative number of tokens, got {lookahead!r}")
+        self._lookahead = int(lookahead)
         self._root = namespace_root(namespace)
         self._ref = [0] * self._num_pages
         self._free: list[int] = list(range(self._num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
@@ -188,7 +199,8 @@ class PageManager:
         if not self._caching:
             return []
         hits = []
-        for key in chain_hashes(data, self._page_size, 0, (n_tokens - 1) // self._page_size, self._root):
+        stop = min(n_tokens - 1, n_tokens - self._lookahead) // self._page_size
+        for key in chain_hashes(data, self._page_size, 0, stop, self._root, self._lookahead):
             page = self._page_of.get(key)
             if page is None:
                 break
@@ -310,12 +322,13 @@ class PageManager:
         if len(tokens) < computed:
             raise PagingError(f"commit of sequence {seq_id!r}: computed={computed} but only {len(tokens)} tokens")
         seq.computed = computed
-        full = computed // self._page_size
+        full = min(computed, len(tokens) - self._lookahead) // self._page_size  # (a page's lookahead known too)
         if full <= seq.hashed:
             return
         if self._caching:  # only the new pages' tokens are read: a decode step's commit costs O(its tokens)
-            data = _token_bytes(tokens[seq.hashed * self._page_size:full * self._page_size])
-            for i, key in enumerate(chain_hashes(data, self._page_size, 0, full - seq.hashed, seq.last_hash),
+            p = self._page_size
+            data = _token_bytes(tokens[seq.hashed * p:full * p + self._lookahead])
+            for i, key in enumerate(chain_hashes(data, p, 0, full - seq.hashed, seq.last_hash, self._lookahead),
                                     seq.hashed):
                 if key not in self._page_of:
                     self._page_of[key], self._key_of[seq.pages[i]] = seq.pages[i], key

@@ -34,10 +34,21 @@ def build_parser() -> ArgumentParser:
     add_spec_arguments(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--max-num-seqs", type=int, default=8, help="request slots decoded together (default 8)")
+    ap.add_argument("--max-num-seqs", type=int, default=8,
+                    help="sequences decoded together (default 8); memory is held by pages, not by this number")
     ap.add_argument("--max-model-len", type=int, default=None,
-                    help="most tokens (prompt + generated) per request; sets the cache capacity (default: the "
-                         "target's context window, at most 4096)")
+                    help="most tokens (prompt + generated) per request (default: the target's context window, at "
+                         "most 4096)")
+    ap.add_argument("--block-size", type=int, default=64,
+                    help="tokens per page of the paged K/V pool (a power of two, 16 to 256; default 64)")
+    ap.add_argument("--num-kv-blocks", type=int, default=None,
+                    help="pages in the K/V pool (default: sized by --kv-cache-memory-fraction on a GPU; on a CPU what "
+                         "--max-num-seqs requests of --max-model-len tokens need)")
+    ap.add_argument("--kv-cache-memory-fraction", type=float, default=0.9,
+                    help="share of the device's memory the process may fill; the K/V pool gets what is left of it "
+                         "after the weights (default 0.9)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="do not reuse the K/V of prompt pages that earlier requests computed (default: reuse)")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     ap.add_argument("--served-model-name", default=None,
                     help="the model name of /v1/models and of requests (default: the target directory's name)")
@@ -66,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               prefill_chunk=args.prefill_chunk, block_cycles=args.block_cycles,
                               max_prefill_per_block=args.max_prefill_per_block, max_waiting=args.max_waiting,
-                              request_timeout=args.request_timeout)
+                              request_timeout=args.request_timeout, block_size=args.block_size,
+                              num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                              prefix_caching=not args.no_prefix_caching)
         template = read_text(args.chat_template, "chat template", error=ConfigError) if args.chat_template else None
         try:
             import uvicorn
@@ -85,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         name = args.served_model_name or ("diffspec-demo" if embedded else target_dir.resolve().name)
         app = create_app(engine, tok, model_name=name, api_key=args.api_key, chat_template=template,
                          sampling_defaults=generation_defaults(target_dir))
-        print(f"[diffspec-serve] {name}: {engine.num_slots} slots x {engine.max_model_len} tokens (cache capacity "
-              f"{engine.capacity}), policy {engine.policy}; compiling...", file=sys.stderr, flush=True)
+        print(f"[diffspec-serve] {name}: policy {engine.policy}, up to {engine.num_slots} sequences decoded together, "
+              f"max_model_len {engine.max_model_len}; {engine.pool_summary()}; compiling...", file=sys.stderr,
+              flush=True)
         engine.start()
         print(f"[diffspec-serve] compiled {engine.compiles} programs in {engine.clock.seconds:.1f} s; listening on "
               f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)

@@ -345,3 +345,21 @@ class PagingMachine(RuleBasedStateMachine):
 PagingMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None, database=None,
                                            suppress_health_check=[HealthCheck.too_slow])
 TestPaging = PagingMachine.TestCase
+
+
+def test_lookahead_folds_the_next_token_into_a_page():
+    """With ``lookahead=1`` (an EAGLE-3 draft's store: the entry at p depends on the token at p + 1) a page is
+    registered once the token after it is known, and reused only by a prompt whose token after it matches."""
+    pm = PageManager(8, 4, lookahead=1)
+    a = list(range(1, 10))  # 9 tokens: pages [1..4], [5..8], and token 9 after the second
+    pm.admit("a", a)
+    pm.commit("a", a, 8)
+    assert pm.cached_prefix(a[:8] + [99, 5]) == 4  # the token after page 1 differs: page 0 only
+    assert pm.cached_prefix(a + [5]) == 8
+    pm.free("a")
+    b = [11, 12, 13, 14, 15, 16, 17, 18]
+    pm.admit("b", b)
+    pm.commit("b", b, 8)  # the token after its second page is unknown: that page is not registered
+    assert pm.cached_prefix(b + [19, 20]) == 4
+    pm.free("b")
+    pm.check()

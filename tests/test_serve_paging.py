@@ -3,8 +3,9 @@ preemption, checked against generate() run alone on each request (the embedded d
 
 import time
 
-import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from diffspec_jax.config import SpecConfig
 
@@ -26,12 +27,33 @@ def pair():
     return target, dj.load_draft(d, target), ids
 
 
+_REFERENCE: dict = {}
+
+
 def _reference(pair, prompt_ids, n):
+    """generate() alone on one prompt (memoized: the property test asks for the same requests again)."""
     import diffspec_jax as dj
 
+    key = (tuple(prompt_ids), n)
+    if key not in _REFERENCE:
+        target, draft, _ = pair
+        _REFERENCE[key] = dj.generate(target, draft, [prompt_ids], max_new_tokens=n, spec=SPEC, prefill_chunk=CHUNK,
+                                      stop_token_ids=()).tokens[0]
+    return _REFERENCE[key]
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    """4 sequences over a pool of one max-length request + 8 pages: long loads must preempt."""
+    from diffspec_jax.serving.scheduler import EngineConfig, SlotEngine
+
     target, draft, _ = pair
-    return dj.generate(target, draft, [prompt_ids], max_new_tokens=n, spec=SPEC, prefill_chunk=CHUNK,
-                       stop_token_ids=()).tokens[0]
+    pages_for_one = -(-(MAX_LEN + SPEC.num_speculative_tokens + 1) // PAGE)
+    eng = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=4, max_model_len=MAX_LEN, prefill_chunk=CHUNK,
+                                                       block_size=PAGE, num_kv_blocks=pages_for_one + 8))
+    eng.start()
+    yield eng
+    eng.stop()
 
 
 def _run(engine, reqs, timeout=240.0):
@@ -53,49 +75,79 @@ def _idle_pages_ok(engine):
     engine.pager.check()
 
 
-def test_prefix_cache_and_preemption(pair):
+def test_prefix_cache_and_preemption(pair, engine):
     """One engine, two loads. (1) A shared document: three requests whose prompts share a 300-token prefix, then a
     follow-up turn (previous prompt + answer + a new message): each later request reuses every full page of what
     came before (``cached_tokens``), and every output equals generate() alone. (2) A pool too small for its load:
     requests are preempted and recomputed, and still return exactly generate()'s tokens."""
-    from diffspec_jax.serving.scheduler import EngineConfig, Request, SamplingParams, SlotEngine
+    from diffspec_jax.serving.scheduler import Request, SamplingParams
 
-    target, draft, ids = pair
-    pages_for_one = -(-(MAX_LEN + SPEC.num_speculative_tokens + 1) // PAGE)
-    engine = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=4, max_model_len=MAX_LEN, prefill_chunk=CHUNK,
-                                                          block_size=PAGE, num_kv_blocks=pages_for_one + 8))
-    engine.start()
-    try:
-        doc = ids[:300]
-        first = Request(doc + ids[400:410], SamplingParams(max_tokens=24, ignore_eos=True), lambda e: None)
-        _run(engine, [first])
-        assert first.cached_tokens == 0
-        asks = [Request(doc + ids[420 + 10 * i:430 + 10 * i], SamplingParams(max_tokens=24, ignore_eos=True),
-                        lambda e: None) for i in range(2)]
-        _run(engine, asks)
-        for r in asks:
-            assert r.cached_tokens == (300 // PAGE) * PAGE  # every full page of the shared document
-        follow = Request(first.prompt_ids + first.tokens + ids[500:520], SamplingParams(max_tokens=16,
-                                                                                       ignore_eos=True), lambda e: None)
-        _run(engine, [follow])
-        prev = len(first.prompt_ids) + len(first.tokens) - 1 - (SPEC.num_speculative_tokens + 1)
-        assert follow.cached_tokens >= (prev // PAGE) * PAGE  # the previous turn's pages, answer included
-        for r in [first] + asks + [follow]:
-            assert r.tokens == _reference(pair, r.prompt_ids, r.params.max_tokens)
-        m = engine.metrics()
-        assert m["prefix_cache_hits"] >= 2 * 288 and m["compiles_after_warmup"] == 0
-        _idle_pages_ok(engine)
+    ids = pair[2]
+    doc = ids[:300]
+    first = Request(doc + ids[400:410], SamplingParams(max_tokens=24, ignore_eos=True), lambda e: None)
+    _run(engine, [first])
+    assert first.cached_tokens == 0
+    asks = [Request(doc + ids[420 + 10 * i:430 + 10 * i], SamplingParams(max_tokens=24, ignore_eos=True),
+                    lambda e: None) for i in range(2)]
+    _run(engine, asks)
+    for r in asks:
+        assert r.cached_tokens == (300 // PAGE) * PAGE  # every full page of the shared document
+    follow = Request(first.prompt_ids + first.tokens + ids[500:520], SamplingParams(max_tokens=16,
+                                                                                   ignore_eos=True), lambda e: None)
+    _run(engine, [follow])
+    prev = len(first.prompt_ids) + len(first.tokens) - 1  # positions with K/V (the newest token's is not)
+    assert follow.cached_tokens == (prev // PAGE) * PAGE  # every full page of the previous turn, answer included
+    for r in [first] + asks + [follow]:
+        assert r.tokens == _reference(pair, r.prompt_ids, r.params.max_tokens)
+    m = engine.metrics()
+    assert m["prefix_cache_hits"] >= 2 * 288 and m["compiles_after_warmup"] == 0
+    _idle_pages_ok(engine)
 
-        # (2) four requests that together need more pages than the pool has: preemption, then recomputation
-        errs = []
-        load = [Request(ids[37 * i: 37 * i + 150], SamplingParams(max_tokens=200, ignore_eos=True), errs.append)
-                for i in range(4)]
-        _run(engine, load)
-        assert not [e for e in errs if e.kind == "error"], [e.message for e in errs if e.kind == "error"]
-        assert engine.metrics()["total_preemptions"] > 0 and sum(r.preemptions for r in load) > 0
-        for r in load:
-            assert r.finish_reason == "length" and r.tokens == _reference(pair, r.prompt_ids, 200)
-        assert engine.metrics()["compiles_after_warmup"] == 0
-        _idle_pages_ok(engine)
-    finally:
-        engine.stop()
+    # (2) four requests that together need more pages than the pool has: preemption, then recomputation
+    errs = []
+    load = [Request(ids[37 * i: 37 * i + 150], SamplingParams(max_tokens=200, ignore_eos=True), errs.append)
+            for i in range(4)]
+    _run(engine, load)
+    assert not [e for e in errs if e.kind == "error"], [e.message for e in errs if e.kind == "error"]
+    assert engine.metrics()["total_preemptions"] > 0 and sum(r.preemptions for r in load) > 0
+    for r in load:
+        assert r.finish_reason == "length" and r.tokens == _reference(pair, r.prompt_ids, 200)
+    assert engine.metrics()["compiles_after_warmup"] == 0
+    _idle_pages_ok(engine)
+
+
+_REQUEST = st.tuples(st.integers(0, 300), st.integers(20, 220), st.integers(1, 120),  # prompt offset, length, max
+                     st.floats(0, 0.3), st.one_of(st.none(), st.floats(0.05, 1.0)))    # arrival, cancel after (s)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.lists(_REQUEST, min_size=2, max_size=6))
+def test_random_schedules_keep_outputs_and_pages(pair, engine, schedule):
+    """Random arrivals, cancellations and (with this small pool) preemptions: every request that completes returns
+    exactly generate()'s tokens alone, a cancelled one a prefix of them, and once idle every page is free or cached
+    with its references back to zero."""
+    from diffspec_jax.serving.scheduler import Request, SamplingParams
+
+    ids = pair[2]
+    reqs, t0 = [], time.monotonic()
+    for off, n, new, at, cancel in sorted(schedule, key=lambda r: r[3]):
+        time.sleep(max(0.0, t0 + at - time.monotonic()))
+        r = Request(ids[off:off + n], SamplingParams(max_tokens=new, ignore_eos=True), lambda e: None)
+        engine.submit(r)
+        reqs.append((r, cancel, time.monotonic()))
+    deadline = time.monotonic() + 240
+    while not all(r.finished for r, _, _ in reqs) and time.monotonic() < deadline:
+        for r, cancel, at in reqs:
+            if cancel is not None and not r.finished and time.monotonic() > at + cancel:
+                engine.abort(r.id)
+        time.sleep(0.02)
+    for r, _, _ in reqs:
+        assert r.finished
+        want = _reference(pair, r.prompt_ids, r.params.max_tokens)
+        if r.finish_reason == "abort":
+            assert r.tokens == want[:len(r.tokens)]
+        else:
+            assert r.finish_reason == "length" and r.tokens == want
+    _idle_pages_ok(engine)
+    assert engine.metrics()["compiles_after_warmup"] == 0

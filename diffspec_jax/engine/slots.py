@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
+from diffspec_jax import working_cache
 from diffspec_jax.cache import HybridCache
 from diffspec_jax.engine.compile import _Program, bind
 from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
@@ -40,6 +41,7 @@ from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_deco
 from diffspec_jax.engine.retrieve import _retrieve
 from diffspec_jax.engine.state import DecodeState, Plan, _init_state
 from diffspec_jax.errors import ConfigError
+from diffspec_jax.models import eagle3
 from diffspec_jax.sampling import SamplingRows
 from diffspec_jax.working_cache import DraftCache
 
@@ -231,6 +233,25 @@ def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState
     return state, loop, first[0], anchors
 
 
+def slot_flush(plan: Plan, dparams, state: DecodeState, slot) -> DecodeState:
+    """Project slot ``slot``'s pending draft entries into the draft's store (a request leaving a paged state): the
+    store then holds an entry for every position whose target K/V is committed, so every full page of the request
+    can be reused whole (a follow-up turn's prompt repeats all of it). The entries are what the next draft step 0
+    would have written (:func:`~diffspec_jax.engine.propose._draft_root`); the rows past the pending count are not
+    written."""
+    rows = _rows(state, slot)
+    k1 = plan.k + 1
+    i = jnp.arange(k1, dtype=jnp.int32)[None, :]
+    positions = jnp.where(i < rows.pend_count[:, None], (rows.length - rows.pend_count)[:, None] + i, -1)
+    z, _ = eagle3.entry_inputs(plan.draft, dparams, rows.pend_tokens, rows.pend_feats, from_target=True,
+                               axis_name=plan.draft_axis)
+    _, k, v = eagle3.qkv(dparams, z)
+    tc = rows.target_cache
+    store = working_cache.commit(plan.draft, plan.spec, rows.draft_cache, k, v, positions, pages=tc.pages,
+                                 page_size=tc.page_size)
+    return state.replace(draft_cache=state.draft_cache.replace(store_k=store.store_k, store_v=store.store_v))
+
+
 def slot_release(plan: Plan, loop: LoopState, slot) -> LoopState:
     """Mark slot ``slot`` done: the device loop stops decoding it (its rows stay masked until the next admission)."""
     return loop.replace(done=_set(loop.done, slot, True))
@@ -249,4 +270,5 @@ def slot_programs(plan: Plan) -> SimpleNamespace:
 
     return SimpleNamespace(reset=make(slot_reset, (0,)), prefill=make(slot_prefill, (2, 3)),
                            prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3)),
-                           start=make(slot_start, (2, 3)), release=make(slot_release, (0,)))
+                           start=make(slot_start, (2, 3)), release=make(slot_release, (0,)),
+                           flush=make(slot_flush, (1,)))

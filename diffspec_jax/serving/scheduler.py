@@ -313,9 +313,10 @@ class SlotEngine:
                         or (plan.diffspec and spec.context.needs_summaries))
         self.prefix_caching = config.prefix_caching and reusable
         self._namespace = f"{target.config}|{target.dtype}|{draft.config if speculative else None}"
-        self.pager = PageManager(self.num_pages, psize, prefix_caching=self.prefix_caching, namespace=self._namespace)
-        #: the draft's store lags the committed length by the pending entries (projected at the next draft step 0)
+        #: the draft's store lags the committed length by the pending entries (projected at the next draft step 0),
+        #: and its entry at p depends on the token at p + 1 (the page manager's lookahead)
         self._store_lag = k + 1 if speculative and spec.uses_working_cache else 0
+        self.pager = self._new_pager()
         self._table = np.full((b, self.max_pages), self.num_pages, np.int32)
         self._table_dirty = True
         self._admitted = 0  # admission counter: preemption takes the most recently admitted request
@@ -369,6 +370,10 @@ class SlotEngine:
         self._gc_started: float | None = None
         self._state = self._loop = None
 
+    def _new_pager(self) -> PageManager:
+        return PageManager(self.num_pages, self.page_size, prefix_caching=self.prefix_caching,
+                           namespace=self._namespace, lookahead=1 if self._store_lag else 0)
+
     @staticmethod
     def _pool_pages(target, draft, spec: SpecConfig, config: EngineConfig, capacity: int) -> int:
         """Pages of the K/V pool: ``num_kv_blocks``, else what ``kv_cache_memory_fraction`` of the device's memory
@@ -390,6 +395,15 @@ class SlotEngine:
         return max(1, min(int(room // (per_token * config.block_size)), fixed))
 
     # ------------------------------------------------------------------------------------------- public API
+    def pool_summary(self) -> str:
+        """One line on the K/V pool: pages, tokens, how many max-length requests fit, prefix caching."""
+        tokens = self.num_pages * self.page_size
+        fit = self.num_pages // -(-(self.max_model_len + self.k_block + 1) // self.page_size)
+        caching = "on" if self.prefix_caching else ("off" if not self.config.prefix_caching else
+                                                    "off (this model's state is not all in pages)")
+        return (f"K/V pool {self.num_pages} pages x {self.page_size} tokens = {tokens} tokens, {fit} request(s) of "
+                f"max_model_len at once; prefix caching {caching}")
+
     @property
     def capacity(self) -> int:
         return self.plan.capacity
@@ -544,8 +558,7 @@ class SlotEngine:
         self._chunks_since_block = 0
         self.counters.clear()
         # a fresh page manager: the warm-up's pages are all free, its prefix-cache counters gone
-        self.pager = PageManager(self.num_pages, self.page_size, prefix_caching=self.prefix_caching,
-                                 namespace=self._namespace)
+        self.pager = self._new_pager()
         with self._lock:  # the warm-up requests went around submit(): every slot is free again
             self._rate.clear()
             self._queued, self._free = 0, self.num_slots
@@ -934,8 +947,10 @@ class SlotEngine:
             elif release and req.phase == "decode" and self.error is None:
                 self._loop = self._progs.release(self.clock, self._loop, np.int32(slot))
             if req.id in self.pager:
-                if req.phase == "decode":  # every position but the newest tokens' (and the store's lag) is final
-                    self._commit(req, len(req.prompt_ids) + len(req.tokens) - 1 - self._store_lag)
+                if req.phase == "decode" and self.error is None:  # every position but the newest token's is final
+                    if self._store_lag:  # once the draft's pending entries are in its store
+                        self._state = self._progs.flush(self.clock, self.dparams, self._state, np.int32(slot))
+                    self._commit(req, len(req.prompt_ids) + len(req.tokens) - 1)
                 self.pager.free(req.id)
             self._set_table(slot, ())
             self.slots[slot] = None
