@@ -41,8 +41,10 @@ def check_identity(retrieval_stats):
          diffspec_adaptive_profile=True),
 ])
 def test_working_cache_policies_are_lossless(extra, targets, drafts, prompts, baseline):
-    res = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=NEW, spec=SpecConfig.from_flat(dict(**SMALL, **extra)),
-                   stop_token_ids=())
+    """(The retrieval-cadence case runs on the paged cache: the draft's store in pages too.)"""
+    paged = 16 if extra.get("diffspec_retrieval_interval") else None
+    res = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=NEW,
+                   spec=SpecConfig.from_flat(dict(**SMALL, **extra)), stop_token_ids=(), page_size=paged)
     assert res.tokens == baseline
     if extra["draft_context_policy"] == "diffspec":
         check_identity(res.stats.retrieval)

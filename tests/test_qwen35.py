@@ -254,10 +254,11 @@ def test_partial_acceptance_through_the_engine_is_lossless(q35_targets, q35_base
 
 @pytest.mark.parametrize("tp", [1, 4])
 def test_greedy_speculative_output_equals_target_only(tp, q35_targets, q35_draft, q35_baseline):
-    """A random EAGLE-3 draft with DiffSpec retrieval (scored at the last full-attention layer, 3)."""
+    """A random EAGLE-3 draft with DiffSpec retrieval (scored at the last full-attention layer, 3). TP4 runs on the
+    paged cache (its attention layers' K/V in pages, the DeltaNet states per sequence)."""
     spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", **SPEC))
     res = generate(q35_targets["causal", "fused"], q35_draft, PROMPTS, max_new_tokens=NEW, spec=spec,
-                   stop_token_ids=(), mesh=make_mesh(tp) if tp > 1 else None)
+                   stop_token_ids=(), mesh=make_mesh(tp) if tp > 1 else None, page_size=16 if tp > 1 else None)
     assert res.tokens == [t[:NEW] for t in q35_baseline]
     agg = res.stats.retrieval["aggregate"]
     assert agg["retrievals"] >= len(PROMPTS) and agg["ranks_agree"]

@@ -50,9 +50,12 @@ def tp1(targets, drafts):
 @pytest.mark.parametrize("policy", ["full", "diffspec"])
 @pytest.mark.parametrize("draft_tp", [None, 1])  # draft sharded like the target, or replicated
 def test_tp4_speculative_generation_is_token_identical_to_tp1(policy, draft_tp, targets, drafts, tp1):
+    """(DiffSpec with the sharded draft runs on the paged cache: the pools sharded by KV heads, page tables
+    replicated.)"""
     spec = SpecConfig.from_flat(dict(draft_context_policy=policy, draft_tensor_parallel_size=draft_tp, **SPEC))
+    paged = policy == "diffspec" and draft_tp is None
     res = generate(targets["llama"], drafts["llama"], PROMPTS, max_new_tokens=32, spec=spec, stop_token_ids=(),
-                   mesh=make_mesh(4))
+                   mesh=make_mesh(4), page_size=16 if paged else None)
     assert res.tokens == tp1[policy].tokens
     if policy == "diffspec":
         agg = res.stats.retrieval["aggregate"]

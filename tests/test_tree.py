@@ -272,8 +272,11 @@ def baseline(llama):
 
 @pytest.mark.parametrize("policy", ["full", "diffspec"])
 def test_greedy_tree_output_equals_target_only(policy, llama, drafts, baseline):
+    """(DiffSpec runs on the paged cache: tree blocks written and their accepted paths moved through the page
+    table.)"""
     spec = SpecConfig.from_flat(dict(draft_context_policy=policy, **TREE, **(SMALL if policy == "diffspec" else {})))
-    res = generate(llama, drafts["llama"], PROMPTS, max_new_tokens=NEW, spec=spec, stop_token_ids=())
+    paged = dict(page_size=32) if policy == "diffspec" else {}
+    res = generate(llama, drafts["llama"], PROMPTS, max_new_tokens=NEW, spec=spec, stop_token_ids=(), **paged)
     assert res.tokens == baseline
     s = res.stats
     assert s.verification_mode == "tree" and s.mean_tree_size == 12
@@ -283,7 +286,7 @@ def test_greedy_tree_output_equals_target_only(policy, llama, drafts, baseline):
     if policy == "diffspec":
         assert s.retrieval["aggregate"]["retrievals"] >= len(PROMPTS)
     with CompileCounter() as c:  # later calls reuse every compilation (caps and budgets are inputs)
-        again = generate(llama, drafts["llama"], PROMPTS, max_new_tokens=NEW, spec=spec, stop_token_ids=())
+        again = generate(llama, drafts["llama"], PROMPTS, max_new_tokens=NEW, spec=spec, stop_token_ids=(), **paged)
     assert c.count == 0 and again.tokens == baseline
 
 

@@ -35,7 +35,7 @@ from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.stopping import FINISH_LENGTH, FINISH_STOP, SequenceText
-from diffspec_jax.validation import check_generate_args, check_text_args
+from diffspec_jax.validation import check_generate_args, check_int, check_text_args
 from diffspec_jax.models import ensure_tree_supported
 from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
 from pallas_kernels.common import use_kernels
@@ -172,6 +172,20 @@ def _put(plan: Plan, tree, specs):
     return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(plan.mesh, s)), tree, specs)
 
 
+def _paging(page_size: int | None, capacity: int, batch: int, mesh: Mesh | None) -> tuple[int, int] | None:
+    """``Plan.paging`` for ``generate(page_size=...)``: a pool of whole pages per sequence (``capacity``, a multiple
+    of the attention tile, is one of the page size)."""
+    if page_size is None:
+        return None
+    check_int(page_size, "page_size", min=16, max=256)
+    if page_size & (page_size - 1):
+        raise ConfigError(f"page_size must be a power of two from 16 to 256, got {page_size}")
+    if mesh is not None and sharding.mesh_size(mesh, sharding.DP) > 1:
+        raise ConfigError("a paged cache (page_size) holds one pool for the whole batch: use a mesh without "
+                          "data parallelism (dp=1)")
+    return batch * (capacity // page_size), page_size
+
+
 def _stop_ids(stops: set[int]) -> np.ndarray:
     """Stop ids as int32 ``[S]`` padded with -1 to a multiple of :data:`STOP_IDS_MULTIPLE` (at least one)."""
     ids = sorted(int(s) for s in stops)
@@ -262,7 +276,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
              progress: bool = False, proposer: Callable | None = None, mesh: Mesh | None = None,
              block_cycles: int | None = None, stop: Sequence[str] | str | None = None, tokenizer: Any = None,
              skip_special_tokens: bool = True,
-             on_text: Callable[[int, str], None] | None = None, session: Session | None = None) -> GenerateResult:
+             on_text: Callable[[int, str], None] | None = None, session: Session | None = None,
+             page_size: int | None = None) -> GenerateResult:
     """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
 
     Args:
@@ -303,6 +318,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             the pieces add up to ``result.texts[i]``. Needs ``tokenizer``.
         session: the :class:`~diffspec_jax.engine.session.Session` that keeps the compiled programs and prepared
             params (default: :func:`~diffspec_jax.engine.session.default_session`, shared by every call).
+        page_size: ``None`` (default): each sequence's K/V in its own buffer; a power of two from 16 to 256: the
+            K/V (and the draft's store) in one pool of pages of that many tokens, read through a page table, as the
+            server keeps them (:mod:`diffspec_jax.cache`). The output is the same; one data-parallel replica only.
     Returns:
         :class:`GenerateResult` with ``.tokens``, ``.stats``, ``.finish_reasons`` and ``.texts``.
     Raises:
@@ -357,12 +375,13 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                               f"got {draft_tp}")
     capacity = (round_capacity(max_cache_len) if max_cache_len is not None
                 else capacity_bucket(need, tc.max_position_embeddings + k_block + 1))
+    paging = _paging(page_size, capacity, len(prompts), mesh)
     # the stop ids are an input of the device loop, not part of its programs: targets that differ only in their
     # EOS ids share the compiled programs
     plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                 draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
                 aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
-                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft)
+                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft, paging=paging)
     enable_compilation_cache()
     stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
     tparams, dparams = session.prepare_params(target, draft, mesh, draft_tp)
@@ -395,6 +414,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     t0 = time.perf_counter()
     ddtype = dparams["fc"].dtype if dparams else target.dtype
     state = progs.init(batch, target.dtype, ddtype)(clock, jax.random.PRNGKey(seed))
+    if paging is not None:  # sequence b holds pages b * P' .. (b + 1) * P' - 1 of the pool (P' pages per sequence)
+        table = np.arange(paging[0], dtype=np.int32).reshape(batch, -1)
+        state = state.replace(target_cache=state.target_cache.replace(pages=_put(plan, table, P(None, None))))
     with use_kernels(plan.kernels):  # the default chunk width depends on the kernels (flash prefill on GPUs)
         width, n_chunks = plan_prefill(lengths, prefill_chunk)
     tokens = pad_prompts(prompts, width * n_chunks + 1)

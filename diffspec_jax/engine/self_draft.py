@@ -98,7 +98,7 @@ def self_propose(plan: Plan, tparams, state: DecodeState, active, key, depth: in
                                                 spec.max_chunks - 1)
         ws = working_set.refresh(state.draft_cache, tcache, anchors, length, state.pend_count, active, chunk,
                                  state.pend_tokens.shape[1])
-        cache = tcache.replace(k=ws.k, v=ws.v)
+        cache = tcache.replace(k=ws.k, v=ws.v, pages=None, page_size=0)  # the working set: rows per sequence
         start, n, window = ws.length, ws.length, ws.count
     rows = jnp.zeros((length.shape[0], 1), jnp.int32)
     tok, drafts, qs = state.last_token, [], []

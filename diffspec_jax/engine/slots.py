@@ -39,11 +39,10 @@ from diffspec_jax.engine.compile import _Program, bind
 from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
 from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
 from diffspec_jax.engine.retrieve import _retrieve
-from diffspec_jax.engine.state import DecodeState, Plan, _init_state
+from diffspec_jax.engine.state import DecodeState, Plan, _init_state, shared_pools, strip_pools, with_pools
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.models import eagle3
 from diffspec_jax.sampling import SamplingRows
-from diffspec_jax.working_cache import DraftCache
 
 
 def _take(tree, slot):
@@ -76,41 +75,10 @@ def _set(x: jax.Array, slot, value) -> jax.Array:
     return _put(x, jnp.broadcast_to(jnp.asarray(value, x.dtype), (1,) + x.shape[1:]), slot)
 
 
-def _pools(state: DecodeState) -> tuple:
-    """The leaves every row shares in a paged state (``()`` when not paged): the target's K/V pools and the draft's
-    store pools (``None`` without a store)."""
-    tc, dc = state.target_cache, state.draft_cache
-    if not tc.paged:
-        return ()
-    store = isinstance(dc, DraftCache) and dc.store_k is not None
-    return (tc.k, tc.v) + ((dc.store_k, dc.store_v) if store else (None, None))
-
-
-def _strip(state: DecodeState) -> DecodeState:
-    """``state`` without its shared pools (:func:`_pools`): what is left is batch-first."""
-    if not state.target_cache.paged:
-        return state
-    state = state.replace(target_cache=state.target_cache.replace(k=(), v=()))
-    if isinstance(state.draft_cache, DraftCache) and state.draft_cache.store_k is not None:
-        state = state.replace(draft_cache=state.draft_cache.replace(store_k=None, store_v=None))
-    return state
-
-
-def _with_pools(state: DecodeState, pools: tuple) -> DecodeState:
-    """:func:`_strip`'s inverse."""
-    if not pools:
-        return state
-    k, v, sk, sv = pools
-    state = state.replace(target_cache=state.target_cache.replace(k=k, v=v))
-    if sk is not None:
-        state = state.replace(draft_cache=state.draft_cache.replace(store_k=sk, store_v=sv))
-    return state
-
-
 def _rows(state: DecodeState, slot) -> DecodeState:
     """The slot's batch-1 :class:`DecodeState` (the unbatched ``rng`` passed through; a paged state's pools are
     shared, and the slot's page-table row addresses them)."""
-    return _with_pools(_take(_strip(state).replace(rng=None), slot).replace(rng=state.rng), _pools(state))
+    return with_pools(_take(strip_pools(state).replace(rng=None), slot).replace(rng=state.rng), shared_pools(state))
 
 
 def init_slots(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple[DecodeState, LoopState]:
@@ -185,8 +153,8 @@ def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefill
     rows, acc = _prefill_chunk(plan, tparams, dparams, _rows(state, slot), acc, tokens, next_tokens, start, length,
                                first=first)
     if state.target_cache.paged:  # the chunk wrote the shared pools through the slot's pages: take them whole
-        state = _with_pools(_put(_strip(state).replace(rng=None), _strip(rows).replace(rng=None), slot),
-                            _pools(rows)).replace(rng=state.rng)
+        state = with_pools(_put(strip_pools(state).replace(rng=None), strip_pools(rows).replace(rng=None), slot),
+                           shared_pools(rows)).replace(rng=state.rng)
         return state, acc, jnp.minimum(start[0] + tokens.shape[1], length[0])
     # the target cache: only the chunk's positions go back (the rest of the slot's rows are unchanged)
     tcache = _put_window(state.target_cache, rows.target_cache, slot, start[0], tokens.shape[1])

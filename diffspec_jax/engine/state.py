@@ -57,11 +57,44 @@ class DecodeState:
     sampling: SamplingRows | None = None
 
     def take(self, rows: np.ndarray) -> DecodeState:
-        """Keep batch rows ``rows`` (compaction when sequences finish)."""
+        """Keep batch rows ``rows`` (compaction when sequences finish; a paged state's pools stay whole, the rows'
+        page tables go with them)."""
         idx = jnp.asarray(rows, jnp.int32)
         pick = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
-        rng = self.rng
-        return jax.tree_util.tree_map(pick, self.replace(rng=jnp.zeros((len(rows),), jnp.uint32))).replace(rng=rng)
+        rng, pools = self.rng, shared_pools(self)
+        rest = strip_pools(self).replace(rng=jnp.zeros((len(rows),), jnp.uint32))
+        return with_pools(jax.tree_util.tree_map(pick, rest), pools).replace(rng=rng)
+
+
+def shared_pools(state: DecodeState) -> tuple:
+    """The leaves every row shares in a paged state (``()`` when not paged): the target's K/V pools and the draft's
+    store pools (``None`` without a store)."""
+    tc, dc = state.target_cache, state.draft_cache
+    if not tc.paged:
+        return ()
+    store = isinstance(dc, DraftCache) and dc.store_k is not None
+    return (tc.k, tc.v) + ((dc.store_k, dc.store_v) if store else (None, None))
+
+
+def strip_pools(state: DecodeState) -> DecodeState:
+    """``state`` without its shared pools (:func:`shared_pools`): every leaf left is batch-first."""
+    if not state.target_cache.paged:
+        return state
+    state = state.replace(target_cache=state.target_cache.replace(k=(), v=()))
+    if isinstance(state.draft_cache, DraftCache) and state.draft_cache.store_k is not None:
+        state = state.replace(draft_cache=state.draft_cache.replace(store_k=None, store_v=None))
+    return state
+
+
+def with_pools(state: DecodeState, pools: tuple) -> DecodeState:
+    """:func:`strip_pools`'s inverse."""
+    if not pools:
+        return state
+    k, v, sk, sv = pools
+    state = state.replace(target_cache=state.target_cache.replace(k=k, v=v))
+    if sk is not None:
+        state = state.replace(draft_cache=state.draft_cache.replace(store_k=sk, store_v=sv))
+    return state
 
 
 @dataclass(frozen=True)
@@ -222,7 +255,14 @@ def state_specs(plan: Plan) -> DecodeState:
         ret = retrieval.RetrievalState(anchors=P(dp, None), score_q=P(dp, tp, None), score_lse=P(dp, tp),
                                        draft_q=P(dp, dtp, None),
                                        chunk_sum=dheads if plan.spec.context.needs_summaries else None)
-    return DecodeState(target_cache=family(plan.target).cache_specs(plan.target, dp, tp), draft_cache=dcache,
+    tcache = family(plan.target).cache_specs(plan.target, dp, tp)
+    if plan.paging is not None:  # pools shared by every row (one data-parallel replica: checked by generate())
+        pool = P(None, tp, None, None)
+        tcache = tcache.replace(k=(pool,) * len(tcache.k), v=(pool,) * len(tcache.v), pages=P(dp, None),
+                                page_size=plan.paging[1])
+        if dcache is not None and isinstance(dcache, DraftCache) and dcache.store_k is not None:
+            dcache = dcache.replace(store_k=P(None, None, dtp, None), store_v=P(None, None, dtp, None))
+    return DecodeState(target_cache=tcache, draft_cache=dcache,
                        retrieval=ret,
                        length=P(dp), last_token=P(dp), pend_tokens=P(dp, None), pend_feats=P(dp, None, None),
                        pend_count=P(dp), seq_id=P(dp), rng=P())
