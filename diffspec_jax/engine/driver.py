@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from diffspec_jax import sharding
 from diffspec_jax.cache import round_capacity
 from diffspec_jax.config import SamplingConfig, SpecConfig
+from diffspec_jax.engine import memory
 from diffspec_jax.engine.compile import _CompileClock, capacity_bucket, enable_compilation_cache, param_spec_key
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopState, loop_specs
@@ -37,7 +38,7 @@ from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.stopping import FINISH_LENGTH, FINISH_STOP, SequenceText
 from diffspec_jax.validation import check_generate_args, check_text_args
 from diffspec_jax.models import ensure_tree_supported
-from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
+from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts
 from pallas_kernels.common import use_kernels
 
 #: cycles per device-loop block (``generate(block_cycles=None)``): the host reads results, streams tokens and
@@ -105,6 +106,8 @@ class GenerateStats:
     host_syncs: int = 0
     cache_capacity: int = 0
     retrieval: dict[str, Any] | None = None
+    memory: dict[str, Any] | None = None
+    peak_bytes_in_use: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -374,12 +377,19 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         prompts = prompts + [prompts[0]] * (plan.dp - real % plan.dp)
         lengths = np.array([len(p) for p in prompts], np.int32)
     batch = len(prompts)
+    # the memory it needs (state, prefill temporaries) against what the device has free, before allocating any
+    ddtype = dparams["fc"].dtype if dparams else target.dtype
+    device = plan.mesh.devices.flat[0] if plan.mesh is not None else None
+    with use_kernels(plan.kernels):  # the default chunk width depends on the kernels (flash prefill on GPUs)
+        mem = memory.plan_memory(plan, lengths, prefill_chunk, tparams, dparams, target.dtype, ddtype,
+                                 memory.device_memory(device))
+    memory.check_fits(mem, max_new_tokens=max_new_tokens)
     cycles = block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
     stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
                           draft_context_policy=spec.context.policy if draft is not None or self_draft
                           else None,
                           verification_mode="tree" if plan.tree_mode else "linear" if speculative else None,
-                          block_cycles=int(cycles), cache_capacity=capacity)
+                          block_cycles=int(cycles), cache_capacity=capacity, memory=mem.to_dict())
     ctl = _RetrievalControl(spec, batch) if plan.diffspec else None
     shape = _ShapeControl(plan, lengths)
     clock = _CompileClock()
@@ -393,10 +403,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
 
     # ---- prefill, the first token, the retrieval after prefill
     t0 = time.perf_counter()
-    ddtype = dparams["fc"].dtype if dparams else target.dtype
     state = progs.init(batch, target.dtype, ddtype)(clock, jax.random.PRNGKey(seed))
-    with use_kernels(plan.kernels):  # the default chunk width depends on the kernels (flash prefill on GPUs)
-        width, n_chunks = plan_prefill(lengths, prefill_chunk)
+    width, n_chunks = mem.prefill_width, mem.prefill_chunks
     tokens = pad_prompts(prompts, width * n_chunks + 1)
     acc = _PrefillAcc(logits=jnp.zeros((batch, tc.vocab_size), jnp.float32),
                       aux=jnp.zeros((batch, max(1, len(plan.aux_layers) * tc.hidden_size)), target.dtype),
@@ -463,7 +471,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         if live.any():  # compact: finished sequences stop costing work (the next dispatch runs the smaller batch)
             size = 1 << (int(live.sum()) - 1).bit_length()
             size = -(-size // plan.dp) * plan.dp
-            if size <= len(rows) // 2:
+            # the smaller state is a copy beside the current one: skipped when the device has no room for it
+            if size <= len(rows) // 2 and memory.room_for(mem.state_bytes * size // batch, device):
                 fill = np.nonzero(~live)[0][: size - int(live.sum())]
                 order = np.concatenate([np.nonzero(live)[0], fill]).astype(np.int64)
                 state, loop = state.take(order), loop.take(order)
@@ -493,6 +502,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     stats.decode_tokens_per_s = decoded / stats.decode_s if stats.decode_s > 0 and decoded > 0 else None
     if ctl is not None:
         stats.retrieval = ctl.status(real)
+    after = memory.device_memory(device)
+    stats.peak_bytes_in_use = after.get("peak_bytes_in_use") if after is not None else None
     return GenerateResult(tokens=tokens, stats=stats, finish_reasons=reasons, texts=texts)
 
 
