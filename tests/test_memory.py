@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from checkpoints_tools.make_tiny import tiny_config
 from diffspec_jax import make_mesh
 from diffspec_jax.config import DraftConfig, ModelConfig, RopeConfig, SamplingConfig, SpecConfig
 from diffspec_jax.engine import init_state, memory
@@ -24,8 +25,8 @@ DIFFSPEC = SpecConfig.from_flat(dict(num_speculative_tokens=3, draft_context_pol
                                      diffspec_chunk_size=16, diffspec_token_budget=64))
 
 
-def plan(draft: bool, capacity: int = 512, mesh=None) -> Plan:
-    return Plan(target=TARGET, draft=DRAFT if draft else None, spec=DIFFSPEC if draft else SpecConfig(),
+def plan(draft: bool, capacity: int = 512, mesh=None, target: ModelConfig = TARGET) -> Plan:
+    return Plan(target=target, draft=DRAFT if draft else None, spec=DIFFSPEC if draft else SpecConfig(),
                 sampling=SamplingConfig(), aux_layers=DRAFT.resolve_aux_layers(TARGET) if draft else (),
                 capacity=capacity, mesh=mesh, draft_tp=1)
 
@@ -36,23 +37,27 @@ def shard_bytes(tree) -> int:
                if s.device == jax.devices()[0])
 
 
-@pytest.mark.parametrize("draft, tp", [(False, 1), (True, 1), (True, 2)])
-def test_state_bytes_are_the_arrays_init_state_creates(draft, tp):
-    """Exact, per part and per device (under a tp-way mesh each device holds half the target's KV heads)."""
-    p = plan(draft, mesh=make_mesh(tp) if tp > 1 else None)
+@pytest.mark.parametrize("arch, draft, tp", [("llama", False, 1), ("llama", True, 1), ("llama", True, 2),
+                                             ("qwen3_5_moe", False, 1)])
+def test_state_bytes_are_the_arrays_init_state_creates(arch, draft, tp):
+    """Exact, per part and per device (under a tp-way mesh each device holds half the target's KV heads; a
+    hybrid target's cache holds its DeltaNet states beside the K/V)."""
+    target = TARGET if arch == "llama" else tiny_config(arch)
+    p = plan(draft, mesh=make_mesh(tp) if tp > 1 else None, target=target)
     dtype = jnp.bfloat16
     parts = memory.state_bytes(p, 3, dtype, jnp.float32)
     state = init_state(p, 3, dtype, jnp.float32, 0)
     assert parts["kv"] == shard_bytes(state.target_cache)
-    assert parts["kv"] == TARGET.num_hidden_layers * 2 * 3 * (TARGET.num_key_value_heads // tp) * 512 * \
-        TARGET.head_dim * 2
+    if arch == "llama":
+        assert parts["kv"] == TARGET.num_hidden_layers * 2 * 3 * (TARGET.num_key_value_heads // tp) * 512 * \
+            TARGET.head_dim * 2
     assert parts["draft"] == (shard_bytes(state.draft_cache) if draft else 0)
     assert sum(parts.values()) == shard_bytes(state)
 
 
 def test_prefill_token_bytes_formula():
     """Llama-3.1-8B shapes in bfloat16: 108 KiB a token target-only (the MLP's gate/up pair and product beside
-    the residual; XLA's measured temporary was 100 KiB), 132 KiB with an EAGLE-3 draft's three aux inputs; the
+    the residual; the allocation that failed in issue 37 was 100 KiB a token), 132 KiB with an EAGLE-3 draft's three aux inputs; the
     tiled reference loop adds its float32 scores; tensor parallelism splits the MLP and the heads."""
     big = ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128)

@@ -75,6 +75,12 @@ class GenerateStats:
     results by the host (the first token, the retrieval after prefill, one per block read); ``cache_capacity`` is
     the cache positions per sequence (:func:`capacity_bucket`).
 
+    Memory: ``memory`` holds the memory model's figures of the call, per device
+    (:meth:`diffspec_jax.engine.memory.MemoryPlan.to_dict`: weights, K/V, the rest of the state, one prefill
+    chunk's width, count and temporaries, and the device's limit and bytes in use before the call, ``None`` where
+    it does not report them); ``peak_bytes_in_use`` is the device's peak bytes in use after the call (the
+    process's high-water mark: this call's own peak when the call raised it; ``None`` on CPUs).
+
     ``retrieval`` (DiffSpec) holds the ``retrieval_status`` counters; their ``retrieval_ms`` is the wall time of a
     standalone retrieval call (the one after prefill, or a probe that changes nothing when none ran), booked for
     every retrieval call inside the device loop and split over the sequences it served, as the time of each call
@@ -283,6 +289,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         max_cache_len: cache capacity per sequence (default: the longest prompt + max_new_tokens + K + 1, rounded
             up to a coarse bucket, :func:`capacity_bucket`, so that nearby prompt lengths reuse the compiled
             programs).
+        prefill_chunk: the widest prefill chunk, in tokens per sequence (default: the backend's,
+            :func:`diffspec_jax.target.default_prefill_chunk`, narrowed where the device reports its memory until
+            one chunk's temporaries fit beside the state, :func:`diffspec_jax.engine.memory.memory_chunk_cap`).
         on_tokens: called as ``on_tokens(i, new_ids)`` whenever prompt i gains tokens (streaming: once per
             prompt for the first token, then once per block and prompt). With a ``tokenizer`` it gets the ids
             that became final with their text (see ``on_text``), so the pieces add up to ``result.tokens[i]``.
@@ -310,6 +319,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         :class:`GenerateResult` with ``.tokens``, ``.stats``, ``.finish_reasons`` and ``.texts``.
     Raises:
         InputError / ConfigError for bad input (empty prompt, prompt longer than the cache, ...).
+        OutOfMemoryError: (an InputError) on a device that reports its memory, the batch's state and one prefill
+            chunk's temporaries need more than it has free (:mod:`diffspec_jax.engine.memory`); checked before
+            anything is allocated or compiled.
     """
     t_call = time.perf_counter()
     spec = SpecConfig() if spec is None else spec

@@ -21,14 +21,17 @@ size, ``M`` = MLP width (``I``, or ``top_k x I + shared`` for MoE), ``r`` = the 
     attention    = it * (2H + 2Q + 2 Hq D) + 4 * 2 Hq (D + 1)  norm, q/k/v before and after RoPE (Q = their
                                                                width), the block and prefix outputs; float32 merge
                    [+ 4 * Hq * (2 tile + D + 2) on the tiled reference loop: float32 scores of one key tile]
+                   [hybrids: at least it * (2H + 2 Ql) + 4 * Hv * (8 max(Dk, Dv) + 2 C), Gated DeltaNet's
+                    projections (Ql wide) and its chunked form's float32 q, k, v, decayed copies, u, w and
+                    output over Hv value heads, and [C, C] intra-chunk matrices (C = DELTA_CHUNK)]
     mlp          = it * (2 r H + 3 M) + 4 E                    the gate/up pair, their product, the sorted copies
                                                                (MoE), float32 router probabilities over E experts
     draft        = it_d * (A H + 6 Hd + (Hq_d + 2 Hkv_d) D_d)  the draft's projection of the chunk's entries
     per token    = residual + max(attention, mlp, draft)
 
 plus ``B`` rows of float32 logits. For Llama-3.1-8B shapes in bfloat16 that is 108 KiB per token target-only
-(132 KiB with an EAGLE-3 draft): XLA's measured temporary of a 16K x 8 chunk on an H200 was 12.5 GiB, 100 KiB per
-token.
+(132 KiB with an EAGLE-3 draft); the allocation that failed in issue 37 (64K x 8 through ``generate()``, so
+chunks of 8 x 16384 tokens) was 12.5 GiB, 100 KiB per token.
 
 Chunk width (:func:`memory_chunk_cap`): the backend's default (:func:`diffspec_jax.target.default_prefill_chunk`:
 up to :data:`~diffspec_jax.target.FLASH_PREFILL_TOKENS` tokens per chunk on flash attention), capped so that one
@@ -54,6 +57,7 @@ from diffspec_jax.config import DraftConfig, ModelConfig
 from diffspec_jax.engine.state import Plan, _init_state, state_specs
 from diffspec_jax.errors import OutOfMemoryError
 from diffspec_jax.models import attention
+from diffspec_jax.models.qwen35 import DELTA_CHUNK
 from diffspec_jax.target import default_prefill_chunk, plan_prefill
 
 #: the share of the memory left free beside the state (device limit - in use - state) that one prefill chunk's
@@ -143,9 +147,13 @@ def prefill_token_bytes(target: ModelConfig, draft: DraftConfig | None = None, a
     a = aux_layers if draft is not None else 0
     residual = it * h * (1 + a)
     q = (hq * (2 if c.is_hybrid else 1) + 2 * hkv) * d  # Qwen3.5's gated attention projects a gate beside q
-    if c.is_hybrid:  # the Gated DeltaNet layers' q/k/v channels and output gate
-        q = max(q, (2 * c.linear_key_dim + 2 * c.linear_value_dim) // tp)
     attn = it * (2 * h + 2 * q + 2 * hq * d) + 4 * 2 * hq * (d + 1)
+    if c.is_hybrid:  # Gated DeltaNet's chunked form: float32 q, k, v (per value head), decayed copies, u, w, output
+        hv = max(1, c.linear_num_value_heads // tp)
+        dmax = max(c.linear_key_head_dim, c.linear_value_head_dim)
+        delta = it * (2 * h + 2 * (2 * c.linear_key_dim + 2 * c.linear_value_dim) // tp) \
+            + 4 * hv * (8 * dmax + 2 * DELTA_CHUNK)
+        attn = max(attn, delta)
     if not flash:
         attn += 4 * hq * (2 * _TILE + d + 2)
     if c.is_hybrid and c.num_experts:
