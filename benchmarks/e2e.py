@@ -17,6 +17,15 @@ long_context.py (``anatomy``: the target's decode step, and with ``--device-cycl
 each policy, dispatched back to back with the state donated) are the yardsticks ``generate()`` is held to, and
 the HBM floor of a decode step.
 
+Memory: each method's row holds ``memory``, the memory model's figures of the call (``GenerateStats.memory``:
+weights, K/V, the rest of the state, one prefill chunk's temporaries and its width) beside the device's measured
+peak (``peak_bytes_in_use``, the process's high-water mark after the calls; ``peak_is_this_method`` says whether
+the calls raised it) and ``peak_over_weights_plus_kv``. ``--no-device-steps`` skips the device steps, whose own
+caches would otherwise set the peak first. Issue 37's case, 64K prompts x batch 8 on one H200::
+
+    python benchmarks/e2e.py --contexts 65536 --batches 8 --methods target --no-device-steps \
+        --out benchmarks/results/e2e_64k_b8_h200.json
+
 ``--peer`` runs transformers (torch, sdpa) in a child process (long_context.py's peer): warm eager prefill, eager
 decode with the dynamic cache and, with ``--peer-compiled``, StaticCache + ``torch.compile`` decode (its prefill
 is the eager one). Its end-to-end latency is prefill + N x its per-token time (batch 1).
@@ -46,6 +55,8 @@ from benchmarks.common import (add_output_arguments, claim_outputs, copy_bandwid
 METHODS = ("target", "recent", "diffspec")
 #: issue 23's targets
 TARGET_LOOP_OVER_STEP, TARGET_FLOOR_RATIO = 1.05, 1.3
+#: issue 37: generate()'s peak device memory at most this times its weights + the K/V it needs
+PEAK_OVER_HELD = 1.1
 
 
 def _spec(method: str, args):
@@ -64,11 +75,13 @@ def run_method(target, draft, prompts, method: str, args) -> dict:
     if method != "target":
         kw["spec"] = _spec(method, args)
     calls = []
+    peak_before = peak_memory()
     for _ in range(2):
         t0 = time.perf_counter()
         res = generate(target, None if method == "target" else draft, prompts, **kw)
         wall = time.perf_counter() - t0
         calls.append((wall, res.stats))
+        del res
     (wall0, first), (wall, st) = calls
     per_seq = st.new_tokens / st.num_sequences
     out = {"method": method, "compile_call": {"wall_s": wall0, "compile_s": first.compile_s},
@@ -77,13 +90,37 @@ def run_method(target, draft, prompts, method: str, args) -> dict:
            "host_syncs": st.host_syncs, "blocks": st.blocks, "block_cycles": st.block_cycles,
            "mean_acceptance_length": st.mean_acceptance_length,
            "decode_s_per_token": st.decode_s / max(1, per_seq - 1),
-           "cycle_s": st.decode_s / max(1, st.cycles)}
+           "cycle_s": st.decode_s / max(1, st.cycles), "memory": memory_row(first, st, peak_before)}
     demo = lc.demo_acceptance()
     if method != "target" and demo:
         acc = demo["diffspec"] if method == "diffspec" else demo.get("eagle3-recent", demo["diffspec"])
         out["projected"] = {"acceptance": acc, "s_per_token": out["cycle_s"] / acc,
                             "wall_s": st.ttft_s + (args.new_tokens - 1) * out["cycle_s"] / acc}
     return out
+
+
+def peak_memory() -> int | None:
+    """The device's peak bytes in use so far in this process (``None`` where it does not say, e.g. a CPU)."""
+    from diffspec_jax.engine.memory import device_memory
+
+    stats = device_memory()
+    return None if stats is None else stats.get("peak_bytes_in_use")
+
+
+def memory_row(first, st, peak_before: int | None) -> dict:
+    """The memory model's figures of the timed call (``stats.memory``) beside the device's measured peak: the
+    process's high-water mark after each call (``peak_bytes_in_use``; it is this method's own peak when it rose
+    above ``peak_before``, the mark before its first call) and its ratio to weights + K/V (target and draft)."""
+    m = st.memory or {}
+    row = {k: m.get(k) for k in ("weights_bytes", "kv_bytes", "draft_bytes", "state_bytes", "prefill_temp_bytes",
+                                 "prefill_width", "prefill_chunks", "bytes_limit", "bytes_in_use")}
+    peak = max((p for p in (first.peak_bytes_in_use, st.peak_bytes_in_use) if p is not None), default=None)
+    row.update(peak_bytes_in_use=peak, compile_call_peak_bytes_in_use=first.peak_bytes_in_use,
+               timed_call_peak_bytes_in_use=st.peak_bytes_in_use, peak_before_bytes=peak_before,
+               peak_is_this_method=None if peak is None else peak_before is None or peak > peak_before)
+    held = (m.get("weights_bytes") or 0) + (m.get("kv_bytes") or 0) + (m.get("draft_bytes") or 0)
+    row["peak_over_weights_plus_kv"] = peak / held if peak and held else None
+    return row
 
 
 def device_steps(target, dcfg, dparams, ctx, batch, bw, args) -> dict:
@@ -124,6 +161,12 @@ def finalize(payload: dict, args) -> dict:
                     "value": r, "met": r <= TARGET_LOOP_OVER_STEP}
             if row and tgt and "projected" in row:
                 row["projected"]["speedup_over_target_only"] = tgt["wall_s"] / row["projected"]["wall_s"]
+        for meth, row in m.items():
+            mem = row.get("memory") or {}
+            if mem.get("peak_over_weights_plus_kv") is not None and mem.get("peak_is_this_method"):
+                targets[f"generate_{key}_{meth}_peak_within_{PEAK_OVER_HELD}x_weights_plus_kv"] = {
+                    "value": mem["peak_over_weights_plus_kv"], "peak_bytes": mem["peak_bytes_in_use"],
+                    "met": mem["peak_over_weights_plus_kv"] <= PEAK_OVER_HELD}
         p = peer.get(case["context"]) if case["batch"] == 1 else None
         if p:
             pre = p.get("eager_prefill_warm_s", p.get("eager_prefill_s"))
@@ -220,6 +263,8 @@ def main(argv=None) -> int:
     ap.add_argument("--inner", type=int, default=10)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device-cycles", action="store_true", help="also time the pipelined device cycles")
+    ap.add_argument("--no-device-steps", action="store_true",
+                    help="skip the device steps (their caches would set the process's peak memory before generate())")
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--peer-compiled", action="store_true")
     ap.add_argument("--peer-tokens", type=int, default=24)
@@ -263,12 +308,16 @@ def main(argv=None) -> int:
             prompts = [rng.integers(0, tcfg.vocab_size, ctx).tolist() for _ in range(b)]
             case = {"context": ctx, "batch": b, "methods": []}
             try:
-                case["device"] = device_steps(target, dcfg, dparams, ctx, b, bw, args)
-                gc.collect()
+                if not args.no_device_steps:
+                    case["device"] = device_steps(target, dcfg, dparams, ctx, b, bw, args)
+                    gc.collect()
                 for meth in methods:
                     case["methods"].append(run_method(target, draft, prompts, meth, args))
                     gc.collect()
-                    print({k: v for k, v in case["methods"][-1].items() if not isinstance(v, dict)}, flush=True)
+                    row = case["methods"][-1]
+                    print({k: v for k, v in row.items() if not isinstance(v, dict)},
+                          {k: row["memory"][k] for k in ("peak_bytes_in_use", "peak_over_weights_plus_kv",
+                                                         "prefill_width", "prefill_chunks")}, flush=True)
             except Exception as e:  # noqa: BLE001 - recorded; the next case may still fit
                 case["error"] = f"{type(e).__name__}: {e}"[:2000]
                 print("error:", case["error"], flush=True)

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from diffspec_jax.config import (Chain, DiffSpec, DraftConfig, Full, ModelConfig, Recent, RopeConfig, SamplingConfig,
                                  SpecConfig, Tree)
-from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError, UnsupportedModelError
+from diffspec_jax.errors import (CheckpointError, ConfigError, DiffspecError, InputError, OutOfMemoryError,
+                                 UnsupportedModelError)
 
 if TYPE_CHECKING:  # static analysers see the eager imports
     from diffspec_jax.draft import DraftModel, load_draft
@@ -43,8 +44,8 @@ _LAZY = {
 
 __all__ = [
     "Chain", "CheckpointError", "ConfigError", "DiffSpec", "DiffspecError", "DraftConfig", "DraftModel", "Full",
-    "GenerateResult", "GenerateStats", "InputError", "ModelConfig", "Recent", "RopeConfig", "SamplingConfig",
-    "SpecConfig", "TargetModel", "Tree",
+    "GenerateResult", "GenerateStats", "InputError", "ModelConfig", "OutOfMemoryError", "Recent", "RopeConfig",
+    "SamplingConfig", "SpecConfig", "TargetModel", "Tree",
     "UnsupportedModelError", "forward", "generate", "load_draft", "load_target", "make_mesh",
 ]
 

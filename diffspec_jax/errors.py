@@ -4,8 +4,8 @@ Every error the library raises on purpose derives from :class:`DiffspecError`, a
 callers can catch one type. The message always names the offending file, key or value, and says what to do.
 
 Each class carries the exit status the command-line tools return for it (:func:`exit_code`): 2 for usage
-errors (a bad argument or setting: :class:`ConfigError`, :class:`InputError`, a path that does not exist), 1 for
-everything else (a damaged or inconsistent checkpoint, a failed integrity check).
+errors (a bad argument or setting: :class:`ConfigError`, :class:`InputError` and its :class:`OutOfMemoryError`, a
+path that does not exist), 1 for everything else (a damaged or inconsistent checkpoint, a failed integrity check).
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ class InputError(DiffspecError):
     """Bad request input: empty prompt, prompt longer than the cache, token id out of range, ..."""
 
     exit_code = 2
+
+
+class OutOfMemoryError(InputError):
+    """A request the device cannot hold: ``generate()`` checks before allocating that the batch's K/V cache, its
+    other state and its prefill temporaries fit in the device's free memory, and says what each needs, what the
+    device has and what to change (fewer prompts, a smaller ``max_new_tokens``, a smaller ``prefill_chunk``)."""
 
 
 class OutputDirError(ConfigError):

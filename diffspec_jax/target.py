@@ -40,8 +40,9 @@ DEFAULT_PREFILL_CHUNK = None
 #: chunks keep compiled programs few and small
 REFERENCE_PREFILL_CHUNK = 512
 #: with flash attention (GPUs) one prefill chunk holds up to this many tokens (batch x width): a 128K prompt at
-#: batch 1 is one pass, 32K x 8 is two 16K-wide chunks. Activations of a chunk take about 130 KiB per token for
-#: Llama-3.1-8B shapes, so 17 GiB beside the weights and the cache
+#: batch 1 is one pass, 32K x 8 is two 16K-wide chunks. Activations of a chunk take about 100 KiB per token for
+#: Llama-3.1-8B shapes (12.5 GiB at this size); ``generate()`` narrows the chunks further until they fit beside
+#: the cache (:func:`diffspec_jax.engine.memory.memory_chunk_cap`)
 FLASH_PREFILL_TOKENS = 131072
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import random_prompts, recording_proposer
 from diffspec_jax import SamplingConfig, SpecConfig, generate
-from diffspec_jax.errors import ConfigError, InputError
+from diffspec_jax.errors import ConfigError, InputError, OutOfMemoryError
 from diffspec_jax.utils import CompileCounter
 
 LENGTHS = (23, 61, 40)
@@ -113,6 +113,31 @@ def test_cycles_do_not_recompile(targets, drafts, prompts):
         res = generate(targets["llama"], drafts["llama"], prompts, max_new_tokens=60, **kw)
     assert res.stats.cycles > 20
     assert counter.count == 0
+
+
+def test_memory_is_checked_up_front(targets, prompts, baselines, monkeypatch):
+    """A batch the device cannot hold is refused before anything is compiled or allocated, with what it needs and
+    what the device has (the device's statistics are faked: CPUs report none); one that fits runs unchanged and
+    reports the memory model's figures and the device's peak."""
+    from diffspec_jax.engine import memory
+
+    model, kw = targets["llama"], dict(max_new_tokens=NEW, stop_token_ids=())
+    full = {"bytes_limit": 1 << 20, "bytes_in_use": (1 << 20) - 1000, "peak_bytes_in_use": 1 << 20}
+    monkeypatch.setattr(memory, "device_memory", lambda device=None: full)
+    with CompileCounter() as counter, pytest.raises(OutOfMemoryError, match=r"needs .* \(target K/V .*1000 bytes "
+                                                                            r"free\. Pass fewer prompts \(batch 3\)"):
+        generate(model, None, prompts, **kw)
+    assert counter.count == 0
+    roomy = {"bytes_limit": 1 << 40, "bytes_in_use": 1 << 20, "peak_bytes_in_use": 12345}
+    monkeypatch.setattr(memory, "device_memory", lambda device=None: roomy)
+    res = generate(model, None, prompts, **kw)
+    assert res.tokens == baselines["llama"]
+    m, c = res.stats.memory, model.config
+    assert m["kv_bytes"] == c.num_hidden_layers * 2 * 3 * c.num_key_value_heads * res.stats.cache_capacity * \
+        c.head_dim * 4
+    assert (m["bytes_limit"], m["free_bytes"], m["draft_bytes"]) == (1 << 40, (1 << 40) - (1 << 20), 0)
+    assert m["prefill_width"] == 64 and m["prefill_chunks"] == 1  # the longest prompt (61) in one chunk
+    assert res.stats.peak_bytes_in_use == 12345
 
 
 @pytest.mark.parametrize("call, error, needle", [

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from diffspec_jax import sharding
 from diffspec_jax.cache import round_capacity
 from diffspec_jax.config import SamplingConfig, SpecConfig
+from diffspec_jax.engine import memory
 from diffspec_jax.engine.compile import _CompileClock, capacity_bucket, enable_compilation_cache, param_spec_key
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopState, loop_specs
@@ -37,7 +38,7 @@ from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.stopping import FINISH_LENGTH, FINISH_STOP, SequenceText
 from diffspec_jax.validation import check_generate_args, check_int, check_text_args
 from diffspec_jax.models import ensure_tree_supported
-from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts, plan_prefill
+from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts
 from pallas_kernels.common import use_kernels
 
 #: cycles per device-loop block (``generate(block_cycles=None)``): the host reads results, streams tokens and
@@ -74,6 +75,12 @@ class GenerateStats:
     results by the host (the first token, the retrieval after prefill, one per block read); ``cache_capacity`` is
     the cache positions per sequence (:func:`capacity_bucket`).
 
+    Memory: ``memory`` holds the memory model's figures of the call, per device
+    (:meth:`diffspec_jax.engine.memory.MemoryPlan.to_dict`: weights, K/V, the rest of the state, one prefill
+    chunk's width, count and temporaries, and the device's limit and bytes in use before the call, ``None`` where
+    it does not report them); ``peak_bytes_in_use`` is the device's peak bytes in use after the call (the
+    process's high-water mark: this call's own peak when the call raised it; ``None`` on CPUs).
+
     ``retrieval`` (DiffSpec) holds the ``retrieval_status`` counters; their ``retrieval_ms`` is the wall time of a
     standalone retrieval call (the one after prefill, or a probe that changes nothing when none ran), booked for
     every retrieval call inside the device loop and split over the sequences it served, as the time of each call
@@ -105,6 +112,8 @@ class GenerateStats:
     host_syncs: int = 0
     cache_capacity: int = 0
     retrieval: dict[str, Any] | None = None
+    memory: dict[str, Any] | None = None
+    peak_bytes_in_use: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -295,6 +304,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         max_cache_len: cache capacity per sequence (default: the longest prompt + max_new_tokens + K + 1, rounded
             up to a coarse bucket, :func:`capacity_bucket`, so that nearby prompt lengths reuse the compiled
             programs).
+        prefill_chunk: the widest prefill chunk, in tokens per sequence (default: the backend's,
+            :func:`diffspec_jax.target.default_prefill_chunk`, narrowed where the device reports its memory until
+            one chunk's temporaries fit beside the state, :func:`diffspec_jax.engine.memory.memory_chunk_cap`).
         on_tokens: called as ``on_tokens(i, new_ids)`` whenever prompt i gains tokens (streaming: once per
             prompt for the first token, then once per block and prompt). With a ``tokenizer`` it gets the ids
             that became final with their text (see ``on_text``), so the pieces add up to ``result.tokens[i]``.
@@ -325,6 +337,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         :class:`GenerateResult` with ``.tokens``, ``.stats``, ``.finish_reasons`` and ``.texts``.
     Raises:
         InputError / ConfigError for bad input (empty prompt, prompt longer than the cache, ...).
+        OutOfMemoryError: (an InputError) on a device that reports its memory, the batch's state and one prefill
+            chunk's temporaries need more than it has free (:mod:`diffspec_jax.engine.memory`); checked before
+            anything is allocated or compiled.
     """
     t_call = time.perf_counter()
     spec = SpecConfig() if spec is None else spec
@@ -393,12 +408,19 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         prompts = prompts + [prompts[0]] * (plan.dp - real % plan.dp)
         lengths = np.array([len(p) for p in prompts], np.int32)
     batch = len(prompts)
+    # the memory it needs (state, prefill temporaries) against what the device has free, before allocating any
+    ddtype = dparams["fc"].dtype if dparams else target.dtype
+    device = plan.mesh.devices.flat[0] if plan.mesh is not None else None
+    with use_kernels(plan.kernels):  # the default chunk width depends on the kernels (flash prefill on GPUs)
+        mem = memory.plan_memory(plan, lengths, prefill_chunk, tparams, dparams, target.dtype, ddtype,
+                                 memory.device_memory(device))
+    memory.check_fits(mem, max_new_tokens=max_new_tokens)
     cycles = block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
     stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
                           draft_context_policy=spec.context.policy if draft is not None or self_draft
                           else None,
                           verification_mode="tree" if plan.tree_mode else "linear" if speculative else None,
-                          block_cycles=int(cycles), cache_capacity=capacity)
+                          block_cycles=int(cycles), cache_capacity=capacity, memory=mem.to_dict())
     ctl = _RetrievalControl(spec, batch) if plan.diffspec else None
     shape = _ShapeControl(plan, lengths)
     clock = _CompileClock()
@@ -412,13 +434,11 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
 
     # ---- prefill, the first token, the retrieval after prefill
     t0 = time.perf_counter()
-    ddtype = dparams["fc"].dtype if dparams else target.dtype
     state = progs.init(batch, target.dtype, ddtype)(clock, jax.random.PRNGKey(seed))
     if paging is not None:  # sequence b holds pages b * P' .. (b + 1) * P' - 1 of the pool (P' pages per sequence)
         table = np.arange(paging[0], dtype=np.int32).reshape(batch, -1)
         state = state.replace(target_cache=state.target_cache.replace(pages=_put(plan, table, P(None, None))))
-    with use_kernels(plan.kernels):  # the default chunk width depends on the kernels (flash prefill on GPUs)
-        width, n_chunks = plan_prefill(lengths, prefill_chunk)
+    width, n_chunks = mem.prefill_width, mem.prefill_chunks
     tokens = pad_prompts(prompts, width * n_chunks + 1)
     acc = _PrefillAcc(logits=jnp.zeros((batch, tc.vocab_size), jnp.float32),
                       aux=jnp.zeros((batch, max(1, len(plan.aux_layers) * tc.hidden_size)), target.dtype),
@@ -485,7 +505,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         if live.any():  # compact: finished sequences stop costing work (the next dispatch runs the smaller batch)
             size = 1 << (int(live.sum()) - 1).bit_length()
             size = -(-size // plan.dp) * plan.dp
-            if size <= len(rows) // 2:
+            # the smaller state is a copy beside the current one: skipped when the device has no room for it
+            if size <= len(rows) // 2 and memory.room_for(mem.state_bytes * size // batch, device):
                 fill = np.nonzero(~live)[0][: size - int(live.sum())]
                 order = np.concatenate([np.nonzero(live)[0], fill]).astype(np.int64)
                 state, loop = state.take(order), loop.take(order)
@@ -515,6 +536,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     stats.decode_tokens_per_s = decoded / stats.decode_s if stats.decode_s > 0 and decoded > 0 else None
     if ctl is not None:
         stats.retrieval = ctl.status(real)
+    after = memory.device_memory(device)
+    stats.peak_bytes_in_use = after.get("peak_bytes_in_use") if after is not None else None
     return GenerateResult(tokens=tokens, stats=stats, finish_reasons=reasons, texts=texts)
 
 
