@@ -28,6 +28,7 @@ from diffspec_jax.errors import (CheckpointError, ConfigError, DiffspecError, In
 if TYPE_CHECKING:  # static analysers see the eager imports
     from diffspec_jax.draft import DraftModel, load_draft
     from diffspec_jax.engine import GenerateResult, GenerateStats, generate
+    from diffspec_jax.engine.prefix_cache import PrefixCache
     from diffspec_jax.mesh import make_mesh
     from diffspec_jax.target import TargetModel, forward, load_target
 
@@ -37,14 +38,15 @@ __version__ = "0.1.0"
 _LAZY = {
     "DraftModel": "diffspec_jax.draft", "load_draft": "diffspec_jax.draft",
     "GenerateResult": "diffspec_jax.engine", "GenerateStats": "diffspec_jax.engine",
-    "generate": "diffspec_jax.engine",
+    "generate": "diffspec_jax.engine", "PrefixCache": "diffspec_jax.engine.prefix_cache",
     "make_mesh": "diffspec_jax.mesh",
     "TargetModel": "diffspec_jax.target", "forward": "diffspec_jax.target", "load_target": "diffspec_jax.target",
 }
 
 __all__ = [
     "Chain", "CheckpointError", "ConfigError", "DiffSpec", "DiffspecError", "DraftConfig", "DraftModel", "Full",
-    "GenerateResult", "GenerateStats", "InputError", "ModelConfig", "OutOfMemoryError", "Recent", "RopeConfig",
+    "GenerateResult", "GenerateStats", "InputError", "ModelConfig", "OutOfMemoryError", "PrefixCache", "Recent",
+    "RopeConfig",
     "SamplingConfig", "SpecConfig", "TargetModel", "Tree",
     "UnsupportedModelError", "forward", "generate", "load_draft", "load_target", "make_mesh",
 ]

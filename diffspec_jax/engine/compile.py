@@ -150,9 +150,9 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
         lambda c: make(functools.partial(_block, cycles=c), (2, 3),
                        (tparams, dparams, st, ls, P(), caps_spec, budget_spec), (st, ls, bo)))
 
-    def init(batch, target_dtype, draft_dtype):
-        def fn(key):
-            return _init_state(plan, batch, target_dtype, draft_dtype, 0).replace(rng=key)
+    def init(batch, target_dtype, draft_dtype, pools=True):
+        def fn(key):  # (pools=False: a paged state without its pools, which the caller keeps: a prefix cache)
+            return _init_state(plan, batch, target_dtype, draft_dtype, 0, pools=pools).replace(rng=key)
 
         if not mesh:
             return _Program(jax.jit(fn))

@@ -33,7 +33,8 @@ from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopSta
 from diffspec_jax.engine.prefill import _PrefillAcc
 from diffspec_jax.engine.self_draft import SELF, is_self, self_draft_spec
 from diffspec_jax.engine.session import Session, default_session
-from diffspec_jax.engine.state import Plan
+from diffspec_jax.engine.prefix_cache import PrefixCache
+from diffspec_jax.engine.state import Plan, shared_pools, with_pools
 from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.stopping import FINISH_LENGTH, FINISH_STOP, SequenceText
 from diffspec_jax.validation import check_generate_args, check_int, check_text_args
@@ -81,6 +82,9 @@ class GenerateStats:
     it does not report them); ``peak_bytes_in_use`` is the device's peak bytes in use after the call (the
     process's high-water mark: this call's own peak when the call raised it; ``None`` on CPUs).
 
+    ``cached_tokens[i]``: prompt i's leading tokens served from a prefix cache (``generate(prefix_cache=...)``), not
+    prefilled.
+
     ``retrieval`` (DiffSpec) holds the ``retrieval_status`` counters; their ``retrieval_ms`` is the wall time of a
     standalone retrieval call (the one after prefill, or a probe that changes nothing when none ran), booked for
     every retrieval call inside the device loop and split over the sequences it served, as the time of each call
@@ -111,6 +115,7 @@ class GenerateStats:
     blocks: int = 0
     host_syncs: int = 0
     cache_capacity: int = 0
+    cached_tokens: list[int] = field(default_factory=list)
     retrieval: dict[str, Any] | None = None
     memory: dict[str, Any] | None = None
     peak_bytes_in_use: int | None = None
@@ -286,7 +291,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
              block_cycles: int | None = None, stop: Sequence[str] | str | None = None, tokenizer: Any = None,
              skip_special_tokens: bool = True,
              on_text: Callable[[int, str], None] | None = None, session: Session | None = None,
-             page_size: int | None = None) -> GenerateResult:
+             page_size: int | None = None, prefix_cache: PrefixCache | None = None) -> GenerateResult:
     """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
 
     Args:
@@ -333,6 +338,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         page_size: ``None`` (default): each sequence's K/V in its own buffer; a power of two from 16 to 256: the
             K/V (and the draft's store) in one pool of pages of that many tokens, read through a page table, as the
             server keeps them (:mod:`diffspec_jax.cache`). The output is the same; one data-parallel replica only.
+        prefix_cache: a :class:`~diffspec_jax.engine.prefix_cache.PrefixCache` (paged, its page size): each prompt
+            reuses the full pages that earlier calls with it computed for the same leading tokens and is prefilled
+            from there; this call's pages stay in it (``stats.cached_tokens`` says how many tokens each reused).
     Returns:
         :class:`GenerateResult` with ``.tokens``, ``.stats``, ``.finish_reasons`` and ``.texts``.
     Raises:
@@ -390,7 +398,15 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                               f"got {draft_tp}")
     capacity = (round_capacity(max_cache_len) if max_cache_len is not None
                 else capacity_bucket(need, tc.max_position_embeddings + k_block + 1))
+    if prefix_cache is not None:
+        if not isinstance(prefix_cache, PrefixCache):
+            raise ConfigError(f"prefix_cache must be a diffspec_jax.PrefixCache, got {type(prefix_cache).__name__}")
+        if page_size not in (None, prefix_cache.page_size):
+            raise ConfigError(f"page_size={page_size} differs from the prefix cache's ({prefix_cache.page_size})")
+        page_size = prefix_cache.page_size
     paging = _paging(page_size, capacity, len(prompts), mesh)
+    if prefix_cache is not None:
+        paging = (prefix_cache.num_pages, page_size)
     # the stop ids are an input of the device loop, not part of its programs: targets that differ only in their
     # EOS ids share the compiled programs
     plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
@@ -434,12 +450,22 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
 
     # ---- prefill, the first token, the retrieval after prefill
     t0 = time.perf_counter()
-    state = progs.init(batch, target.dtype, ddtype)(clock, jax.random.PRNGKey(seed))
-    if paging is not None:  # sequence b holds pages b * P' .. (b + 1) * P' - 1 of the pool (P' pages per sequence)
+    starts = np.zeros(batch, np.int32)  # prompt tokens already in the cache (a prefix cache's reused pages)
+    run = None
+    if prefix_cache is not None:
+        run = prefix_cache.admit(plan, prompts, max_new_tokens + k_block + 1, target.dtype)
+        starts, table = run.starts, run.table
+    elif paging is not None:  # sequence b holds pages b * P' .. (b + 1) * P' - 1 of the pool (P' pages per sequence)
         table = np.arange(paging[0], dtype=np.int32).reshape(batch, -1)
+    kept = prefix_cache.pools if prefix_cache is not None else ()
+    state = progs.init(batch, target.dtype, ddtype, not kept)(clock, jax.random.PRNGKey(seed))
+    if paging is not None:
+        state = with_pools(state, kept)
         state = state.replace(target_cache=state.target_cache.replace(pages=_put(plan, table, P(None, None))))
-    width, n_chunks = mem.prefill_width, mem.prefill_chunks
-    tokens = pad_prompts(prompts, width * n_chunks + 1)
+    stats.cached_tokens = [int(x) for x in starts[:real]]
+    width = mem.prefill_width
+    n_chunks = -(-int((lengths - starts).max()) // width)
+    tokens = pad_prompts([p[s:] for p, s in zip(prompts, starts)], width * n_chunks + 1)
     acc = _PrefillAcc(logits=jnp.zeros((batch, tc.vocab_size), jnp.float32),
                       aux=jnp.zeros((batch, max(1, len(plan.aux_layers) * tc.hidden_size)), target.dtype),
                       score_q=jnp.zeros((batch, tc.num_attention_heads, tc.head_dim), jnp.float32),
@@ -448,9 +474,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     for c in range(n_chunks):
         s = c * width
         # the fast attention skips a first chunk's empty prefix; the reference has nothing to skip (one program)
-        chunk = progs.prefill_first if c == 0 and plan.kernels == "pallas" else progs.prefill_chunk
+        first = c == 0 and plan.kernels == "pallas" and not starts.any()
+        chunk = progs.prefill_first if first else progs.prefill_chunk
         state, acc = chunk(clock, tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
-                           jnp.asarray(tokens[:, s + 1:s + width + 1]), jnp.full((batch,), s, jnp.int32), jl)
+                           jnp.asarray(tokens[:, s + 1:s + width + 1]), jnp.asarray(starts + s), jl)
     state, first = progs.start_decode(clock, state, acc, jl)
     first = np.asarray(first)
     stats.host_syncs += 1
@@ -538,6 +565,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         stats.retrieval = ctl.status(real)
     after = memory.device_memory(device)
     stats.peak_bytes_in_use = after.get("peak_bytes_in_use") if after is not None else None
+    if run is not None:  # positions with final K/V: all but the newest token's (and the draft store's pending rows)
+        lag = plan.k + 1 if plan.draft is not None else 0
+        seqs = [list(prompts[b]) + list(out.tokens[b]) for b in range(real)]
+        prefix_cache.release(run, seqs, [len(q) - 1 - lag for q in seqs], shared_pools(state))
     return GenerateResult(tokens=tokens, stats=stats, finish_reasons=reasons, texts=texts)
 
 

@@ -184,7 +184,7 @@ class Plan:
         return self.diffspec or self.tree_mode or self.adaptive_depth
 
 
-def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:
+def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int, pools: bool = True) -> DecodeState:
     tc, dc = plan.target, plan.draft
     feat = len(plan.aux_layers) * tc.hidden_size if dc is not None else 1
     k1 = plan.k + 1
@@ -203,7 +203,7 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) ->
     if plan.paging is None:
         tcache, pool_rows = create_cache(tc, batch, plan.capacity, target_dtype, tp=plan.tp), None
     else:
-        num_pages, page_size = plan.paging
+        num_pages, page_size = plan.paging if pools else (0, plan.paging[1])  # (no pools: the caller has them)
         if plan.capacity % page_size:
             raise ValueError(f"a paged capacity ({plan.capacity}) must be whole pages of {page_size}")
         tcache = create_paged_cache(tc, batch, num_pages, page_size, plan.capacity // page_size, target_dtype,
