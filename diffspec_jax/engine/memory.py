@@ -43,6 +43,7 @@ their activations fit beside the 86 GB of K/V.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import asdict, dataclass
@@ -133,6 +134,15 @@ def _state_bytes(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple:
     rest = sum(part(n) for n in ("retrieval", "length", "last_token", "pend_tokens", "pend_feats", "pend_count",
                                  "seq_id", "rng", "sampling"))
     return ("kv", total[0]), ("draft", total[1]), ("other", rest)
+
+
+def page_bytes(plan: Plan, target_dtype, draft_dtype) -> int:
+    """Bytes per device of one page of a paged plan's pool (``plan.paging``): the target's K/V of ``page_size``
+    positions in every attention layer and, with a ``recent`` / ``diffspec`` draft, its store's rows. From the
+    shapes of :func:`~diffspec_jax.engine.state._init_state`: a pool of two pages less a pool of one."""
+    one, two = (dataclasses.replace(plan, paging=(n, plan.paging[1])) for n in (1, 2))
+    size = lambda p: sum(state_bytes(p, 1, target_dtype, draft_dtype).values())  # noqa: E731
+    return size(two) - size(one)
 
 
 def prefill_token_bytes(target: ModelConfig, draft: DraftConfig | None = None, aux_layers: int = 0, *,

@@ -55,6 +55,7 @@ import numpy as np
 
 from diffspec_jax.config import SamplingConfig, SpecConfig
 from diffspec_jax.engine.compile import _CompileClock, _Program, enable_compilation_cache
+from diffspec_jax.engine import memory
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
 from diffspec_jax.engine.session import Session, default_session
@@ -296,17 +297,18 @@ class SlotEngine:
         self.k_block = k_block
         capacity = (-(-(self.max_model_len + k_block + 1) // psize) + -(-(k_block + 1) // psize)) * psize
         self.max_pages = capacity // psize
-        self.num_pages = self._pool_pages(target, draft, spec, config, capacity)
+        # the stop ids are inputs of the device loop, not part of its programs (as in generate())
+        plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()), draft=draft.config if speculative else None,
+                    spec=spec, sampling=SamplingConfig(), aux_layers=draft.aux_layers if speculative else (),
+                    capacity=capacity, paging=(1, psize))
+        ddtype = draft.params["fc"].dtype if speculative else target.dtype
+        self.num_pages = self._pool_pages(config, capacity, memory.page_bytes(plan, target.dtype, ddtype))
         need = -(-(self.max_model_len + k_block + 1) // psize)
         if self.num_pages < need:
             raise ConfigError(f"the KV pool has {self.num_pages} pages of {psize} tokens, fewer than one request of "
                               f"max_model_len {self.max_model_len} needs ({need}): lower max_model_len or give the "
                               f"pool more pages (num_kv_blocks, kv_cache_memory_fraction)")
-        # the stop ids are inputs of the device loop, not part of its programs (as in generate())
-        self.plan = plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
-                                draft=draft.config if speculative else None, spec=spec,
-                                sampling=SamplingConfig(), aux_layers=draft.aux_layers if speculative else (),
-                                capacity=capacity, paging=(self.num_pages, psize))
+        self.plan = plan = dataclasses.replace(plan, paging=(self.num_pages, psize))
         # prefix reuse needs every per-request state in pages: not the recurrent states of a hybrid target, the
         # draft's full-policy working cache (rows per slot) or the salience scorer's chunk summaries
         reusable = not (tc.is_hybrid or (speculative and not spec.uses_working_cache)
@@ -375,24 +377,18 @@ class SlotEngine:
                            namespace=self._namespace, lookahead=1 if self._store_lag else 0)
 
     @staticmethod
-    def _pool_pages(target, draft, spec: SpecConfig, config: EngineConfig, capacity: int) -> int:
+    def _pool_pages(config: EngineConfig, capacity: int, page_bytes: int) -> int:
         """Pages of the K/V pool: ``num_kv_blocks``, else what ``kv_cache_memory_fraction`` of the device's memory
         holds beside what is in use (the weights), else (a device that does not report its memory, e.g. a CPU)
         what ``max_num_seqs`` requests of the full capacity need, as fixed slots reserved."""
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         fixed = config.max_num_seqs * (capacity // config.block_size)
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" not in stats:
+        stats = memory.device_memory()
+        if stats is None or "bytes_limit" not in stats:
             return fixed
-        tc = target.config
-        layers = len(tc.full_attention_layers) if tc.is_hybrid else tc.num_hidden_layers
-        per_token = 2 * layers * tc.num_key_value_heads * tc.head_dim * np.dtype(target.dtype).itemsize
-        if draft is not None and spec.uses_working_cache:
-            dc = draft.config
-            per_token += 2 * dc.num_key_value_heads * dc.head_dim * np.dtype(target.dtype).itemsize
         room = config.kv_cache_memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return max(1, min(int(room // (per_token * config.block_size)), fixed))
+        return max(1, min(int(room // page_bytes), fixed))
 
     # ------------------------------------------------------------------------------------------- public API
     def pool_summary(self) -> str:
