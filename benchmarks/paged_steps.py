@@ -287,9 +287,12 @@ def main(argv=None) -> int:
     target = lc.random_target(tcfg)
     payload["weight_sha256"] = lc.weight_hashes(target.params)
     print(f"setup {time.perf_counter() - t_start:.1f} s", flush=True)
-    work = [("step", c, b) for c, b in cells] + [("prefill", c, w) for c in prefill_contexts for w in widths]
-    if prefill_contexts and not args.no_generate:
-        work += [("generate", c, None) for c in prefill_contexts]
+    # the steps, then per prefill length its first width (auto first), generate()'s prefill, its other widths
+    widths.sort(key=lambda w: w != "auto")
+    work = [("step", c, b) for c, b in cells]
+    for c in prefill_contexts:
+        work += [("prefill", c, w) for w in widths[:1]] + ([] if args.no_generate else [("generate", c, None)])
+        work += [("prefill", c, w) for w in widths[1:]]
     measured = 0
     for kind, ctx, extra in work:
         if args.time_budget_s and time.perf_counter() - t_start > args.time_budget_s:

@@ -6,6 +6,7 @@ requests in batches of N.
         --prompt-lens 2048,8192,32768,65536 --new-tokens 256 --policies target-only,recent,diffspec
     python benchmarks/serve_load.py --quick --out /tmp/serve_load          # tiny shapes on a CPU (a smoke test)
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --api-key KEY --out /tmp/load   # a running server
+    python benchmarks/serve_load.py --workloads shared-doc,capacity --out /tmp/paging       # issue 37 (below)
 
 Without ``--url``, per policy a child process builds a Llama-3.1-8B-shaped target and an EAGLE-3-shaped draft
 with **random bfloat16 weights** (``benchmarks/long_context.py``'s models; tiny ones with ``--quick``): timings are
@@ -32,6 +33,22 @@ the load. ``--policy-timeout-s`` kills a child past its limit (the run records t
 starts); ``--time-budget-s`` starts no further policy once the run is past the budget or would be by the mean
 time of the policies so far, and caps each policy's limit at what remains (the JSON lists ``skipped`` policies).
 ``serve_load.json`` is rewritten after every policy.
+
+``--workloads`` (default ``load``, the above) adds two workloads of issue 37 (paged K/V, prefix caching), each on
+servers of its own, without the offline baseline (benchmarks/README.md lists every key they write):
+
+* ``shared-doc``: per ``--shared-policies`` policy a server with prefix caching on and one with it off; per
+  ``--doc-lens`` document, clients asking their own questions about it: the first alone, the others one at a
+  time (each hit's TTFT against the first's, its cached tokens against the document's full pages), then every
+  client's follow-up turn at once (prompt + answer + a new message: does it hit every full page of the previous
+  turn?). :func:`shared_document`, :func:`shared_summary`, :func:`compare_shared`.
+* ``capacity``: mixed 2K-64K prompts all sent at once to a server of ``--capacity-seqs`` sequences over a page
+  pool and to one with the same pool but as many sequences as fixed ``--capacity-max-model-len`` slots would
+  hold: requests decoding at once (:func:`decoding_concurrency`), tokens/s, ITL, compiles after warm-up,
+  preemptions. :func:`run_capacity`, :func:`compare_capacity`.
+
+The child serves two routes of its own beside the OpenAI ones: ``/bench/engine`` (``SlotEngine.metrics()``) and
+``/bench/cached`` (a finished request's ``cached_tokens``, for servers whose usage does not report it).
 """
 
 from __future__ import annotations
