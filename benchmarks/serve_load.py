@@ -102,11 +102,12 @@ def make_requests(args, vocab: int) -> list[list[int]]:
     return [rng.integers(1, vocab, int(n)).tolist() for n in order]
 
 
-def arrivals(args) -> np.ndarray:
-    """Send times (seconds from the start): a Poisson process of ``--rate`` per second, or all at 0."""
+def arrivals(args, n: int) -> np.ndarray:
+    """Send times of ``n`` requests (seconds from the start): a Poisson process of ``--rate`` per second, or all
+    at 0."""
     if args.rate <= 0:
-        return np.zeros(args.requests)
-    gaps = np.random.default_rng(args.seed + 1).exponential(1.0 / args.rate, args.requests)
+        return np.zeros(n)
+    gaps = np.random.default_rng(args.seed + 1).exponential(1.0 / args.rate, n)
     return np.cumsum(gaps) - gaps[0]
 
 
@@ -160,7 +161,7 @@ async def _load(url: str, prompts, args) -> list[dict]:
     async with httpx.AsyncClient(timeout=args.timeout_s, limits=limits) as client:
         t0 = time.perf_counter()
         return await asyncio.gather(*[_one(client, url, headers, p, args, t0, at, sem)
-                                      for p, at in zip(prompts, arrivals(args))])
+                                      for p, at in zip(prompts, arrivals(args, len(prompts)))])
 
 
 def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
@@ -706,11 +707,13 @@ def run_capacity(kind: str, args, limit_s: float | None, pool: dict | None) -> d
         seqs = args.capacity_seqs
     else:
         if not pool:
-            return {"workload": "capacity", "kind": kind, "error": "the paged run did not report its pool"}
+            return {"workload": "capacity", "kind": kind, "policy": args.capacity_policy, "wall_s": 0.0,
+                    "error": "the paged run did not report its pool"}
         seqs = max(1, pool["pool_tokens"] // args.capacity_max_model_len)
         extra += ["--num-kv-blocks", str(pool["num_kv_blocks"])]
-    load = argparse.Namespace(**{**vars(args), "clients": args.capacity_requests, "rate": 0.0,
-                                 "new_tokens": args.capacity_new_tokens, "num_kv_blocks": None})
+    # every request sent at once (a client each), the capacity workload's token count
+    load = argparse.Namespace(**{**vars(args), "clients": args.capacity_requests, "requests": args.capacity_requests,
+                                 "rate": 0.0, "new_tokens": args.capacity_new_tokens, "num_kv_blocks": None})
     if kind == "paged":
         load.num_kv_blocks = args.num_kv_blocks or (QUICK_CAPACITY_BLOCKS if args.quick else None)
 
