@@ -267,7 +267,8 @@ def _time_propose(plan, dparams, st, active, key, t):
         return drafts, cache, ret2
 
     propose = jax.jit(prop, donate_argnums=(2, 3))
-    slim = st.replace(target_cache=None, draft_cache=None, retrieval=None)
+    # the target's K/V stay out of the call (the draft reads only the cache's page table, if paged)
+    slim = st.replace(target_cache=st.target_cache.replace(k=(), v=()), draft_cache=None, retrieval=None)
     holder = {"dc": st.draft_cache, "ret": st.retrieval}
 
     def call():
