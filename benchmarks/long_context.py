@@ -211,17 +211,48 @@ def _plans(tc, dcfg, ctx, args):
     return plans
 
 
+def fill_random(tree, seed: int = 7):
+    """``tree`` with every bf16 leaf of rank >= 3 (caches, pools, stores) replaced by random values, in place."""
+    # keep_unused: x's value is not read, so jit would prune it and its donation with it; the zero buffers, held by
+    # the tree until tree_map returns, would then all stay alive beside the random ones (2 x 66.5 GiB at 64K x 8)
+    fill = jax.jit(lambda x, key: jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype), donate_argnums=(0,),
+                   keep_unused=True)
+    key = jax.random.PRNGKey(seed)
+    return jax.tree_util.tree_map(lambda x: fill(x, key) if x.ndim >= 3 and x.dtype == jnp.bfloat16 else x, tree)
+
+
+@functools.lru_cache(maxsize=None)
+def jitted_step(tc):
+    """The target's cached step (:func:`diffspec_jax.models.llama.step`) of config ``tc``, jitted once per config
+    (the cache, argument 1, donated): every caller of the same shapes shares its compilations."""
+    from diffspec_jax.models import llama
+
+    return jax.jit(functools.partial(llama.step, tc), donate_argnums=(1,))
+
+
+def step_calls(target, holder: dict, start, batch: int, token_counts) -> dict:
+    """``{T: call}``: each ``call()`` runs the target's step of ``T`` tokens per sequence at committed lengths
+    ``start [B]`` against ``holder["cache"]`` (donated; the updated cache is put back in ``holder``) and returns the
+    logits. The cache's length never moves, so every call runs at the same context."""
+    step = jitted_step(target.config)
+    calls = {}
+    for n_tok in token_counts:
+        toks = jnp.ones((batch, n_tok), jnp.int32)
+        rows = jnp.broadcast_to(jnp.arange(n_tok, dtype=jnp.int32), (batch, n_tok))
+
+        def call(toks=toks, rows=rows):
+            o, holder["cache"] = step(target.params, holder["cache"], toks, start, rows)
+            return o.logits
+
+        calls[n_tok] = call
+    return calls
+
+
 def _filled_state(plan, batch, ctx):
     """A decode state at committed length ``ctx`` whose caches hold random values (bf16 leaves of rank >= 3)."""
     from diffspec_jax import engine
 
-    st = engine.init_state(plan, batch, jnp.bfloat16, jnp.bfloat16, 0)
-    # keep_unused: x's value is not read, so jit would prune it and its donation with it; the zero buffers, held by
-    # `st` until tree_map returns, would then all stay alive beside the random ones (2 x 66.5 GiB at 64K x 8)
-    fill = jax.jit(lambda x, key: jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype), donate_argnums=(0,),
-                   keep_unused=True)
-    key = jax.random.PRNGKey(7)
-    st = jax.tree_util.tree_map(lambda x: fill(x, key) if x.ndim >= 3 and x.dtype == jnp.bfloat16 else x, st)
+    st = fill_random(engine.init_state(plan, batch, jnp.bfloat16, jnp.bfloat16, 0))
     return st.replace(length=jnp.full((batch,), ctx, jnp.int32), pend_count=jnp.ones((batch,), jnp.int32),
                       last_token=jnp.ones((batch,), jnp.int32))
 
@@ -236,7 +267,8 @@ def _time_propose(plan, dparams, st, active, key, t):
         return drafts, cache, ret2
 
     propose = jax.jit(prop, donate_argnums=(2, 3))
-    slim = st.replace(target_cache=None, draft_cache=None, retrieval=None)
+    # the target's K/V stay out of the call (the draft reads only the cache's page table, if paged)
+    slim = st.replace(target_cache=st.target_cache.replace(k=(), v=()), draft_cache=None, retrieval=None)
     holder = {"dc": st.draft_cache, "ret": st.retrieval}
 
     def call():
@@ -266,7 +298,6 @@ def _time_cycle(fns, tparams, dparams, st, active, ctx, t):
 def anatomy(target, dcfg, dparams, ctx, batch, args):
     """Component and cycle times of one (context, batch)."""
     from diffspec_jax import engine, retrieval, working_cache
-    from diffspec_jax.models import llama
     from pallas_kernels import dispatch
 
     k, tc, t = args.k, target.config, args
@@ -278,26 +309,16 @@ def anatomy(target, dcfg, dparams, ctx, batch, args):
 
     # ---- target steps, then the full-store policy (one state at a time: at 64K x 8 a KV cache is 64 GiB)
     st = _filled_state(plans["full"], batch, ctx)
-    step = jax.jit(functools.partial(llama.step, tc), donate_argnums=(1,))
     holder = {"cache": st.target_cache}
     st = st.replace(target_cache=None)
-    calls = {}
-    for n_tok in (1, k + 1):
-        toks = jnp.ones((batch, n_tok), jnp.int32)
-        rows = jnp.broadcast_to(jnp.arange(n_tok, dtype=jnp.int32), (batch, n_tok))
-
-        def call(toks=toks, rows=rows, start=st.length, h=holder):
-            o, h["cache"] = step(target.params, h["cache"], toks, start, rows)
-            return o.logits
-
-        calls[n_tok] = call
+    calls = step_calls(target, holder, st.length, batch, (1, k + 1))
     stats["target_decode_step"] = pipelined(calls[1], repeats=t.repeats, inner=t.inner)
     stats["target_decode_step_blocking"] = blocking(calls[1], repeats=t.repeats)
     stats["target_verify_step"] = pipelined(calls[k + 1], repeats=t.repeats, inner=t.inner)
     # the decode step once more, after the verify step (a check that warm-up and order do not move it)
     stats["target_decode_step_again"] = pipelined(calls[1], repeats=t.repeats, inner=t.inner)
     st = st.replace(target_cache=holder["cache"])
-    del holder, calls, call
+    del holder, calls
     if args.steps_only:
         del st
         gc.collect()

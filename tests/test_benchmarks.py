@@ -472,3 +472,127 @@ def test_self_projection_formula_and_files(tmp_path):
     assert (tmp_path / "proj.png").stat().st_size > 0
     with pytest.raises(SystemExit, match="NAME=FILE"):
         self_projection.main(["--steps", str(tmp_path / "steps.json"), "--acceptance", str(every), "--out", str(out)])
+
+
+# ------------------------------------------------------------------------------------------ issue 37: paging
+class _PrefixServer:
+    """What the load generator expects of the server's prefix cache, in pure Python: a request reuses the longest
+    run of cached full pages of its prompt (at most all but its last token); when it finishes, the full pages of
+    its prompt + answer below ``len - lag`` join the cache (``lag`` 1: the answer's last token is never computed;
+    more: a speculative engine that keeps its newest rows out of the cache)."""
+
+    def __init__(self, page, answer_len, lag):
+        self.page, self.answer_len, self.lag = page, answer_len, lag
+        self.cached, self.prompts = set(), []
+
+    async def send(self, prompt):
+        self.prompts.append(list(prompt))
+        hit = 0
+        while hit + self.page <= len(prompt) - 1 and tuple(prompt[:hit + self.page]) in self.cached:
+            hit += self.page
+        answer = [len(self.prompts)] * self.answer_len
+        context = list(prompt) + answer
+        for end in range(self.page, len(context) - self.lag + 1, self.page):
+            self.cached.add(tuple(context[:end]))
+        return {"ttft_s": 0.05 if hit else 1.0, "prompt_tokens": len(prompt), "answer": answer, "end_s": 0.0,
+                "cached_tokens": hit, "cached_source": "usage"}
+
+
+def _shared_run(page, answer_len, lag, clients):
+    import argparse
+    import asyncio
+
+    from benchmarks import serve_load
+
+    server = _PrefixServer(page, answer_len, lag)
+    args = argparse.Namespace(seed=3, question_len=8, followup_len=8)
+    run = asyncio.run(serve_load.shared_document(server.send, 64, clients, args, vocab=500))
+    return run, server
+
+
+def test_serve_load_shared_document_turns_and_page_accounting():
+    """The shared-document workload sends the first question alone, the others one at a time, then every client's
+    follow-up (its prompt + its answer + a new message); the summary counts hits against the document's full pages
+    and the follow-ups' pages against every full page the previous turn computed, and finds a missed last page."""
+    from benchmarks import serve_load
+
+    run, server = _shared_run(page=16, answer_len=9, lag=1, clients=3)
+    assert len(server.prompts) == 6 and [len(p) for p in server.prompts[:3]] == [72] * 3
+    assert server.prompts[0][:64] == server.prompts[1][:64] != server.prompts[0][64:] != server.prompts[1][64:]
+    for i, turn in enumerate([run["first"], *run["hits"]]):  # follow-up i = prompt i + answer i + a message
+        assert server.prompts[3 + i][:81] == server.prompts[i] + turn["answer"] and len(server.prompts[3 + i]) == 89
+    s = serve_load.shared_summary(run, 16)
+    assert s["shared_full_page_tokens"] == 64 and s["cached_fraction"]["each"] == [1.0, 1.0]
+    assert s["cached_fraction"]["each_ge_0.99"] and s["hit_ttft_over_first"]["each"] == [0.05, 0.05]
+    assert s["hit_ttft_over_first"]["each_le_0.1"] and s["requests"] == 6
+    assert [f["full_pages_of_previous_turn"] for f in s["followups"]] == [5, 5, 5]  # (72 + 9 - 1) // 16
+    assert [f["pages_hit"] for f in s["followups"]] == [5, 5, 5] and s["followups_hit_every_full_page"]
+    lagged, _ = _shared_run(page=16, answer_len=9, lag=6, clients=3)  # the newest 6 rows never cached
+    ls = serve_load.shared_summary(lagged, 16)
+    assert [f["missed_pages"] for f in ls["followups"]] == [1, 1, 1] and not ls["followups_hit_every_full_page"]
+    assert ls["cached_fraction"]["min"] == 1.0  # the document's pages are still hit
+    off = {k: v for k, v in run.items()}  # caching off: every request prefills all of it
+    off["hits"] = [dict(h, ttft_s=1.0, cached_tokens=0) for h in run["hits"]]
+    rows = serve_load.compare_shared([
+        {"workload": "shared-doc", "policy": "diffspec", "prefix_caching": True, "clients": 3,
+         "documents": [dict(run, summary=s)]},
+        {"workload": "shared-doc", "policy": "diffspec", "prefix_caching": False, "clients": 2,
+         "documents": [dict(off, summary=serve_load.shared_summary(off, 16))]}])
+    (row,) = rows
+    assert row["hits_ttft_s"]["on_over_off"] == pytest.approx(0.05) and row["first_ttft_s"]["on_over_off"] == 1.0
+    assert row["cached_fraction_min"] == 1.0 and row["missed_pages"] == 0 and row["hit_ttft_over_first_max"] == 0.05
+
+
+def test_serve_load_streams_decoding_at_once_and_capacity():
+    """Requests decoding at once from the clients' streams (first to last token; a one-chunk stream never counts,
+    and one ending as another starts does not raise the peak); the response's cached tokens; the capacity
+    workload's prompts and its paged / fixed comparison."""
+    import argparse
+
+    from benchmarks import serve_load
+
+    def stream(first, last):
+        return {"sent": 0.0, "chunks": [(first, "1 "), (last, "2 3 ")], "usage": None, "prompt_tokens": 4}
+
+    results = [stream(1, 5), stream(2, 3), stream(3, 6), stream(4, 4), {"error": "HTTP 503"}]
+    d = serve_load.decoding_concurrency(results)
+    assert d["peak"] == 2 and d["window_s"] == 5 and d["mean"] == pytest.approx((1 + 2 + 2 * 2 + 1) / 5)
+    assert d["series"][-1] == [6, 0]
+    assert serve_load.summarize(results, ids_text=True)["decoding_at_once"]["peak"] == 2
+    turn = serve_load._turn({**stream(1, 2), "usage": {"prompt_tokens_details": {"cached_tokens": 64}}})
+    assert turn["answer"] == [1, 2, 3] and turn["ttft_s"] == 1 and turn["cached_source"] == "usage"
+    assert serve_load._turn(stream(1, 2))["cached_tokens"] is None
+    args = argparse.Namespace(seed=0, capacity_requests=7, capacity_prompt_lens="100,300,900",
+                              capacity_max_model_len=512, capacity_new_tokens=12)
+    lens = sorted(map(len, serve_load.capacity_prompts(args, 50)))
+    assert lens == [100, 100, 100, 300, 300, 500, 500]  # 900 cut to 512 - 12
+
+    def cap(kind, seqs, peak, tok_s):
+        return {"workload": "capacity", "kind": kind, "max_num_seqs": seqs, "ready": {"pool_tokens": 4096},
+                "server": {"decoding_at_once": {"peak": peak, "mean": peak / 2}, "output_tokens_per_s": tok_s,
+                           "itl_s": {"p50": 0.01, "p99": 0.012, "p99_over_p50": 1.2}, "ttft_s": {}, "completed": 7,
+                           "requests": 7, "metrics": {"diffspec_compiles_after_warmup": 0.0},
+                           "paging": {"preemptions": 1}}}
+
+    c = serve_load.compare_capacity([cap("paged", 16, 10, 300.0), cap("fixed", 4, 4, 250.0)])
+    assert c["paged_over_fixed"] == {"decoding_peak": 2.5, "decoding_mean": 2.5, "output_tokens_per_s": 1.2}
+    assert c["paged"]["preemptions"] == 1 and c["paged_itl_p99_over_p50_le_1.3"]
+
+
+def test_paged_steps_helpers():
+    """paged_steps.py: cells, a page table that is a permutation of the pool, both caches' reach in whole pages
+    and attention tiles, and issue 37's lines from the measured rows."""
+    from benchmarks import paged_steps
+
+    assert paged_steps.parse_cells("8192x1, 32768X8,4096") == [(8192, 1), (32768, 8), (4096, 1)]
+    pages = paged_steps.random_pages(3, 5, seed=1)
+    assert pages.shape == (3, 5) and sorted(pages.ravel().tolist()) == list(range(15))
+    assert not (np.diff(pages, axis=1) == 1).all()
+    assert paged_steps.reach(8192 + 384, 64) == 8704 and paged_steps.reach(100, 512) == 512
+    cell = {"context": 65536, "batch": 1, "decode_step_s": {"ratio": 1.02}, "verify_step_s": {"ratio": 1.07}}
+    payload = {"cells": [cell], "prefill": [{"context": 65536, "width": 65536, "paged": 3.3, "ratio": 1.01}],
+               "generate_prefill": [{"context": 65536, "prefill_s": 3.2}]}
+    t = paged_steps.targets(payload)
+    assert t["paged_decode_64k_b1_le_1.05x"]["met"] and not t["paged_verify_64k_b1_le_1.05x"]["met"]
+    pre = t["paged_prefill_64k_width_65536_le_1.05x_generate"]
+    assert pre["value"] == pytest.approx(3.3 / 3.2) and pre["met"] and pre["paged_over_contiguous"] == 1.01
