@@ -56,10 +56,12 @@ def _tree_mask(b, t, rng):
     return jnp.asarray(anc)
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
-@pytest.mark.parametrize("t, starts, tree", [(1, (1, 70, 33), False), (5, (37, 0, 100), False),
-                                             (6, (17, 64, 2), True), (80, (0, 16, 40), False)])
+@pytest.mark.parametrize("backend, t, starts, tree", [
+    ("pallas", 1, (1, 70, 33), False), ("pallas", 5, (37, 0, 100), False), ("pallas", 6, (17, 64, 2), True),
+    ("reference", 5, (37, 0, 100), False), ("reference", 80, (0, 16, 40), False)])
 def test_paged_step_equals_contiguous(backend, t, starts, tree):
+    """Decode (T=1), chain verification (T=5) and a tree block on the Pallas kernel (interpreted on a CPU); chain
+    verification and a prefill chunk (T=80, the tiled loop) on the references."""
     rng = np.random.default_rng(t + sum(starts) + tree)
     b, hq, hkv, d = 3, 4, 2, 16
     f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
