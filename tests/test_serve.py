@@ -194,6 +194,94 @@ def test_engine_isolates_a_failing_request(pair, prompts):
         engine.stop()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread raises
+def test_engine_fails_a_request_alone_and_stops_the_server_when_the_device_fails(pair, prompts):
+    """Faults injected while one request is admitted (a top_k beyond int32, which crashed the engine in issue 38),
+    prefilled or started fail that request alone (500) beside a request that still equals generate(); a
+    cancellation takes effect within one block. Then under run_server, a failing device step fails the request in
+    flight (500 over HTTP), /health turns 503 at once (seen from the engine's failure hook) and run_server returns
+    exit status 1. (The slots and plan of the tests above: their programs.)"""
+    import dataclasses
+
+    from diffspec_jax.serving.app import create_app
+    from diffspec_jax.serving.limits import HTTPLimits, run_server
+    from diffspec_jax.serving.scheduler import EngineConfig, EngineStopped, Request, SamplingParams, SlotEngine
+
+    target, draft, tok = pair
+    seen = {}
+
+    def hook(exc):  # called on the engine thread before run_server's own hook stops the server
+        seen["exc"], seen["health"] = exc, httpx.get(f"{url}/health").status_code
+
+    engine = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk=CHUNK),
+                        on_failure=hook)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    prefill, start = engine._prefill_chunk, engine._start
+
+    def faulty(step, rid):
+        def run(a):
+            if a.req.id == rid:
+                raise RuntimeError(f"injected {rid}")
+            return step(a)
+        return run
+
+    engine._prefill_chunk, engine._start = faulty(prefill, "prefill"), faulty(start, "start")
+    engine.start()
+    status = []
+    server = threading.Thread(target=lambda: status.append(run_server(
+        create_app(engine, tok, model_name="m"), engine, HTTPLimits(), sock=sock)))
+    try:
+        events = {k: [] for k in ("admit", "prefill", "start", "good")}
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        reqs = [Request(prompts[1], dataclasses.replace(params), events[k].append, request_id=k) for k in events]
+        object.__setattr__(reqs[0].params, "top_k", 2 ** 31)  # past validation: as a request body could before
+        for r in reqs:
+            engine.submit(r)
+        deadline = time.monotonic() + 120
+        while not all(r.finished for r in reqs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for k, why in (("admit", "OverflowError"), ("prefill", "injected"), ("start", "injected")):
+            assert events[k][-1].kind == "error" and events[k][-1].status == 500 and why in events[k][-1].message
+        assert reqs[3].tokens == _reference(pair, prompts[1], 12, stop_token_ids=())
+        assert engine.metrics()["healthy"] and engine.metrics()["slots_used"] == 0
+        # a cancellation is taken at the engine's next step: at most one more block is dispatched meanwhile
+        blocks, abort = [], engine._abort
+        engine._abort = lambda rid: (blocks.append(engine.counters["blocks"]), abort(rid))
+        long = Request(prompts[1], SamplingParams(max_tokens=400, ignore_eos=True), lambda e: None)
+        engine.submit(long)
+        while len(long.tokens) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        blocks.append(engine.counters["blocks"])
+        engine.abort(long.id)
+        while not long.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert long.finish_reason == "abort" and blocks[1] - blocks[0] <= 1
+        # under run_server: a device step that fails ends the engine, the request in flight and the process
+        server.start()
+        headers = {"Content-Type": "application/json"}
+        while True:
+            try:
+                r = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 3}, timeout=60)
+                break
+            except httpx.ConnectError:
+                time.sleep(0.05)
+        assert r.status_code == 200
+        engine._block = lambda *a: (_ for _ in ()).throw(RuntimeError("injected device failure"))
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 3}, headers=headers,
+                       timeout=60)
+        assert r.status_code == 500 and "injected device failure" in r.json()["error"]["message"]
+        server.join(30)
+        assert status == [1] and seen["health"] == 503 and "injected device failure" in str(seen["exc"])
+        with pytest.raises(EngineStopped):
+            engine.submit(Request(prompts[0], params, lambda e: None))
+    finally:
+        engine.stop()
+        server.join(30)
+        sock.close()
+
+
 def test_prefill_waves_and_interleaving(pair, prompts):
     """Requests admitted while no slot decodes form a wave: all their chunks run before the first decode block.
     A request that takes a slot freed while another decodes is prefilled at most max_prefill_per_block tokens
