@@ -2,6 +2,7 @@
 caches) talked to with the ``openai`` client and raw HTTP; its answers checked against ``generate()`` run alone on
 each request. The slot engine's failure isolation and per-row sampling are tested in process."""
 
+import contextlib
 import json
 import os
 import socket
@@ -25,6 +26,8 @@ from diffspec_jax.engine.compile import capacity_bucket  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
 SLOTS, MAX_LEN, CHUNK, WAITING = 4, 512, 64, 4
+#: the server's header and body timeouts (seconds) and connection cap: short, so slow clients are tested fast
+READ_TIMEOUT, CONNECTIONS = 1.5, 64
 #: DiffSpec with a small working cache, so prompts of a few hundred tokens retrieve
 SPEC = SpecConfig.from_flat(dict(num_speculative_tokens=4, draft_context_policy="diffspec", diffspec_token_budget=128,
                                  diffspec_chunk_size=16))
@@ -69,7 +72,8 @@ def server_process(tmp_path_factory):
     cmd = [sys.executable, "-m", "diffspec_jax.serve", "--port", str(port), "--max-num-seqs", str(SLOTS),
            "--max-model-len", str(MAX_LEN), "--prefill-chunk", str(CHUNK), "--policy", "diffspec",
            "--token-budget", "128", "--chunk-size", "16", "--api-key", API_KEY, "--max-waiting", str(WAITING),
-           "--chat-template", str(tmp / "chat.jinja"), "--request-timeout", "120"]
+           "--chat-template", str(tmp / "chat.jinja"), "--request-timeout", "120", "--header-timeout",
+           str(READ_TIMEOUT), "--body-timeout", str(READ_TIMEOUT), "--max-connections", str(CONNECTIONS)]
     log_path = tmp / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -414,6 +418,67 @@ def test_row_keys_decide_each_row_alone():
             assert int(m[i]) == int(mi[0]) and np.array_equal(np.asarray(emitted[i]), np.asarray(ei[0]))
 
 
+def _numeric_fields(model) -> list[str]:
+    import re
+
+    return sorted(k for k, f in model.model_fields.items() if {"int", "float"} & set(
+        re.findall(r"\w+", str(f.annotation))))
+
+
+def test_numeric_fields_are_bounded_by_their_device_types():
+    """Every numeric field of the request models (found from their annotations, so a new one is covered): any
+    integer or float, in range or far out of it, NaN and infinities included, is either refused with a 400 whose
+    param names the field, or fits the device type the engine holds it in (int32; float32 finite; the seed 64
+    bits) and makes valid SamplingParams."""
+    import pydantic
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from diffspec_jax.errors import InputError
+    from diffspec_jax.serving import protocol as P
+    from diffspec_jax.serving.app import _validation_error
+    from diffspec_jax.serving.scheduler import SamplingParams
+
+    fields = {P.CompletionRequest: _numeric_fields(P.CompletionRequest),
+              P.ChatCompletionRequest: _numeric_fields(P.ChatCompletionRequest)}
+    assert {"max_tokens", "top_k", "seed", "temperature", "top_p", "stop_token_ids", "n", "logprobs",
+            "best_of"} <= set(fields[P.CompletionRequest])
+    assert {"max_completion_tokens", "top_logprobs"} <= set(fields[P.ChatCompletionRequest])
+    base = {P.CompletionRequest: {"prompt": "x"}, P.ChatCompletionRequest: {"messages": [{"role": "u",
+                                                                                          "content": "x"}]}}
+    numbers = st.one_of(st.integers(-2 ** 70, 2 ** 70), st.sampled_from([2 ** 31 - 1, 2 ** 31, -2 ** 31 - 1, 2 ** 63,
+                                                                        2 ** 64, -2 ** 63 - 1, 3.5e38, 1e-300]),
+                        st.floats(allow_nan=True, allow_infinity=True))
+
+    @settings(max_examples=80, deadline=None)
+    @given(st.sampled_from(sorted(fields, key=str)), st.data(), numbers)
+    def check(model, data, value):
+        field = data.draw(st.sampled_from(fields[model]))
+        sent = [value] if field == "stop_token_ids" else {"7": value} if field == "logit_bias" else value
+        try:
+            body = model.model_validate({**base[model], field: sent})
+        except pydantic.ValidationError as exc:
+            assert _validation_error(exc.errors()).param.split(".")[0] == field
+            return
+        got = getattr(body, field)
+        for v in got if isinstance(got, list) else got.values() if isinstance(got, dict) else [got]:
+            if field == "seed":
+                assert -2 ** 63 <= v < 2 ** 64
+            elif isinstance(v, int):
+                np.int32(v)  # raises OverflowError past int32
+            else:
+                assert np.isfinite(np.float32(v))
+        if field in ("max_tokens", "top_k", "seed", "temperature", "top_p", "stop_token_ids"):
+            try:
+                SamplingParams(max_tokens=body.max_tokens or 1, temperature=body.temperature or 0.0,
+                               top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), seed=body.seed,
+                               stop_token_ids=tuple(body.stop_token_ids or ()))
+            except InputError as exc:
+                raise AssertionError(f"{field}={value!r} passed the model but not SamplingParams: {exc}")
+
+    check()
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--max-num-seqs", "0"], "max_num_seqs must be an integer in [1, 4096]"),
     (["--draft", "somewhere"], "--draft needs --target"),
@@ -556,6 +621,15 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, client, pa
         ("chat/completions", {"messages": []}, 400, "messages", None),
         ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
          "messages", None),
+        # issue 38: numbers beyond their device types, chat messages without their text, a prompt far too long
+        ("completions", {"prompt": "x", "max_tokens": 2, "top_k": 2 ** 31}, 400, "top_k", None),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 2 ** 40}, 400, "top_k", None),
+        ("completions", {"prompt": "x", "seed": 2 ** 64}, 400, "seed", None),
+        ("completions", {"prompt": [5, 2 ** 40]}, 400, "prompt.1", None),
+        ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content", None),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+         "messages.0.content.0.text", None),
+        ("completions", {"prompt": "def f(x): return x\n" * 1200}, 400, "prompt", "context_length_exceeded"),
     ]
     for path, body, status, param, code in cases:
         r = post(path, body)
@@ -566,6 +640,16 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, client, pa
     r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={**headers, "Content-Type":
                                                                                "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # a lone surrogate (JSON escape) in a prompt: 400, and the keep-alive connection serves the next request
+    with httpx.Client(headers=headers, timeout=60) as http:
+        for path in ("completions", "chat/completions"):
+            body = (b'{"prompt": "a\\ud800b"}' if path == "completions" else
+                    b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}')
+            r = http.post(f"{server}/v1/{path}", content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] in ("prompt", "messages.0.content")
+            stream = r.extensions["network_stream"]
+            assert http.get(f"{server}/health").extensions["network_stream"] is stream
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="diffspec-demo", prompt="x", max_tokens=MAX_LEN + 1)
     # still serving, and what it serves is right
@@ -604,6 +688,185 @@ def test_queue_limit_and_cancelled_streams_free_their_slots(server, prompts):
     aborted = 'diffspec_requests_finished_total{finish_reason="abort"}'
     assert m[aborted] - before[aborted] == SLOTS + WAITING
     http.close()
+
+
+def _raw(server, parts, pause=0.0, wait=10.0) -> tuple[bytes, float]:
+    """Send ``parts`` (bytes) over one loopback socket, ``pause`` seconds apart, and read until the server closes
+    the connection (or ``wait`` seconds pass): ``(what came back, seconds from the first byte sent to the end)``.
+    Sending stops once the server has closed the connection."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        t0 = time.monotonic()
+        for i, part in enumerate(parts):
+            if i and pause:
+                time.sleep(pause)
+            try:
+                sock.sendall(part)
+            except OSError:  # closed by the server: read what it answered
+                break
+        out = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                out += chunk
+        return out, time.monotonic() - t0
+
+
+def _status(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1]) if response.startswith(b"HTTP/1.1 ") else 0
+
+
+def _post_head(length: int | str, path="/v1/completions") -> bytes:
+    size = f"Transfer-Encoding: chunked" if length == "chunked" else f"Content-Length: {length}"
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\n{size}\r\n\r\n").encode()
+
+
+def _slow_clients(server) -> dict[str, tuple[bytes, float]]:
+    """Each way a client can hold the server, sent at once over raw sockets: a body past the size limit (declared,
+    and chunked), headers or a body sent a byte at a time, a connection that sends nothing."""
+    limit = 1 << 20 | 64 * MAX_LEN  # the default --max-request-bytes at --max-model-len MAX_LEN
+    head = _post_head(100)
+    cases = {
+        "declared": ([_post_head(10 ** 9)], 0.0),
+        "chunked": ([_post_head("chunked"), f"{limit + 1:x}\r\n".encode() + b"x" * (limit + 1)], 0.0),
+        "headers": ([head[i:i + 1] for i in range(len(head))], 0.2),
+        "body": ([head] + [b"{"] * 100, 0.2),
+        "silent": ([b""], 0.0),
+    }
+    out = {}
+    threads = [threading.Thread(target=lambda k=k, c=c: out.__setitem__(k, _raw(server, *c))) for k, c in cases.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_request_size_slow_clients_and_connection_cap(server):
+    """Bodies past --max-request-bytes get 413 before they are parsed (at once when Content-Length says so);
+    headers or bodies that trickle in, and silent connections, get 408 within the timeouts; a connection beyond
+    --max-connections gets 503. The server serves on."""
+    out = _slow_clients(server)
+    assert _status(out["declared"][0]) == 413 and out["declared"][1] < 2
+    assert b"--max-request-bytes" in out["declared"][0] and _status(out["chunked"][0]) == 413
+    for k in ("headers", "body", "silent"):
+        response, took = out[k]
+        assert _status(response) == 408 and b"request_timeout" in response, (k, response)
+        assert READ_TIMEOUT <= took < READ_TIMEOUT + 3, (k, took)
+    socks = []
+    try:
+        while len(socks) < CONNECTIONS + 8:
+            socks.append(socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))))
+        refused = []
+        for s in socks:
+            s.settimeout(0.05)
+            with contextlib.suppress(OSError):
+                refused.append(s.recv(4096))
+        assert any(_status(r) == 503 for r in refused), refused  # the connections past the cap (or fewer)
+    finally:
+        for s in socks:
+            s.close()
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_bad_requests_beside_good_ones(server_process, server, pair, prompts):
+    """Issue 38's load: 100 bad requests of every kind above (numbers past int32, a lone surrogate, bodies past
+    the limit, slow clients, a prompt far too long, chat messages without text, clients that go away) sent
+    concurrently with 100 good greedy ones: /health answers 200 throughout, every good request returns
+    generate()'s tokens, and the server's memory after is within 10% of before."""
+    import concurrent.futures
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    http = httpx.Client(headers=headers, timeout=120, limits=httpx.Limits(max_connections=32))
+    tok = pair[2]
+    goods = [(prompts[i], 4) for i in range(4)]
+    want = [tok.decode(_reference(pair, p, n, stop_token_ids=()), skip_special_tokens=True) for p, n in goods]
+
+    def good(i):
+        body = {"prompt": goods[i % 4][0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        while (r := http.post(f"{server}/v1/completions", json=body)).status_code == 503:  # queue full: retry
+            time.sleep(0.05)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"] == want[i % 4]
+
+    def post(path, body, status, **kw):
+        r = http.post(f"{server}/v1/{path}", **({"content": body} if isinstance(body, bytes) else {"json": body}),
+                      **kw)
+        return r.status_code == status
+
+    aborts = []
+
+    def gone(stream):  # a client that goes away while its request is queued or running: the engine aborts it
+        body = {"prompt": prompts[2], "max_tokens": 300, "ignore_eos": True, "stream": stream}
+        while True:
+            try:
+                with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers,
+                                  timeout=0.3 if not stream else 120) as r:
+                    if r.status_code == 503:  # the queue is full: nothing to abort yet
+                        time.sleep(0.05)
+                        continue
+                    assert stream and r.status_code == 200
+                    next(r.iter_lines())
+            except httpx.TimeoutException:
+                assert not stream
+            aborts.append(1)
+            return True
+
+    head = _post_head(100)
+    bad_kinds = [
+        lambda: post("completions", {"prompt": "x", "max_tokens": 2, "top_k": 2 ** 31}, 400),
+        lambda: post("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 2 ** 40}, 400),
+        lambda: post("completions", b'{"prompt": "a\\ud800b"}', 400, headers={"Content-Type": "application/json"}),
+        lambda: _status(_raw(server, [_post_head(10 ** 9)])[0]) == 413,
+        lambda: _status(_raw(server, [head[:20]])[0]) == 408,
+        lambda: _status(_raw(server, [head, b"{"])[0]) == 408,
+        lambda: post("completions", {"prompt": "def f(x): return x\n" * 1200}, 400),
+        lambda: post("chat/completions", {"messages": [{"role": "user"}]}, 400),
+        lambda: post("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400),
+        lambda: gone(stream=True),
+        lambda: gone(stream=False),
+    ]
+    health, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            health.append(httpx.get(f"{server}/health", timeout=10).status_code)
+            time.sleep(0.05)
+
+    for i in range(len(bad_kinds)):  # warm: every kind once, so the memory before has what serving them keeps
+        assert good(i % 4) and bad_kinds[i]()
+    idle = lambda m: m["diffspec_cache_slots_used"] == 0 and m["diffspec_requests_waiting"] == 0  # noqa: E731
+    aborted = 'diffspec_requests_finished_total{finish_reason="abort"}'
+    aborted_before, aborts[:] = _wait_for(server, idle)[aborted], []
+    pid = server_process[0].pid
+    before = _rss_bytes(pid)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(6) as goods_pool, concurrent.futures.ThreadPoolExecutor(8) as bads:
+        futures = []
+        for i in range(100):
+            futures.append(goods_pool.submit(good, i))
+            futures.append(bads.submit(bad_kinds[i % len(bad_kinds)]))
+        results = [f.result() for f in futures]
+    done.set()
+    watcher.join()
+    http.close()
+    assert all(results[0::2]), "a good request did not get generate()'s text"
+    assert all(results[1::2]), [i for i, ok in enumerate(results[1::2]) if not ok]
+    assert health and set(health) == {200}
+    m = _wait_for(server, idle)
+    assert idle(m) and m["diffspec_engine_healthy"] == 1
+    assert m[aborted] - aborted_before == len(aborts) > 0  # every client that went away was aborted
+    after = _rss_bytes(pid)
+    print(f"server RSS {before / 2 ** 20:.0f} MiB before, {after / 2 ** 20:.0f} MiB after; {len(aborts)} aborted")
+    assert after <= 1.1 * before, (before, after)
 
 
 def test_serve_load_benchmark_against_the_server(server, tmp_path):

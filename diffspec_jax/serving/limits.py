@@ -200,7 +200,7 @@ def run_server(app, engine, limits: HTTPLimits, *, host: str = "127.0.0.1", port
     max_bytes = limits.max_request_bytes or default_max_request_bytes(engine.max_model_len)
     config = uvicorn.Config(BodyLimits(app, max_bytes, limits.body_timeout), host=host, port=port,
                             log_level=log_level, http=timed_h11_protocol(limits.header_timeout, limits.max_connections),
-                            timeout_keep_alive=limits.keep_alive_timeout, limit_concurrency=limits.max_connections,
+                            timeout_keep_alive=limits.keep_alive_timeout, limit_concurrency=limits.max_connections + 1,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = uvicorn.Server(config)
     before = engine.on_failure

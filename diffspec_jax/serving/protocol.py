@@ -91,9 +91,9 @@ class _SamplingRequest(_Strict):
     n: Int32 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # OpenAI's ranges (refused unless 0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: Text | None = None
 
     def check_supported(self) -> None:
