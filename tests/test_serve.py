@@ -202,9 +202,10 @@ def test_engine_isolates_a_failing_request(pair, prompts):
 def test_engine_fails_a_request_alone_and_stops_the_server_when_the_device_fails(pair, prompts):
     """Faults injected while one request is admitted (a top_k beyond int32, which crashed the engine in issue 38),
     prefilled or started fail that request alone (500) beside a request that still equals generate(); a
-    cancellation takes effect within one block. Then under run_server, a failing device step fails the request in
-    flight (500 over HTTP), /health turns 503 at once (seen from the engine's failure hook) and run_server returns
-    exit status 1. (The slots and plan of the tests above: their programs.)"""
+    cancellation takes effect within one block (in a wave's prefill, after the chunks in flight). Then under
+    run_server, a failing device step fails the request in flight (500 over HTTP), /health turns 503 at once (seen
+    from the engine's failure hook) and run_server returns exit status 1. (The slots and plan of the tests above:
+    their programs.)"""
     import dataclasses
 
     from diffspec_jax.serving.app import create_app
@@ -224,10 +225,14 @@ def test_engine_fails_a_request_alone_and_stops_the_server_when_the_device_fails
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     prefill, start = engine._prefill_chunk, engine._start
 
+    wave_chunks = []
+
     def faulty(step, rid):
         def run(a):
             if a.req.id == rid:
                 raise RuntimeError(f"injected {rid}")
+            if a.req.id == "cancelled" and step is prefill:  # cancelled as its wave's prefill begins
+                wave_chunks.append(a.chunk) or engine.abort("cancelled")
             return step(a)
         return run
 
@@ -262,6 +267,12 @@ def test_engine_fails_a_request_alone_and_stops_the_server_when_the_device_fails
         while not long.finished and time.monotonic() < deadline:
             time.sleep(0.01)
         assert long.finish_reason == "abort" and blocks[1] - blocks[0] <= 1
+        # ... or while a wave prefills, after the chunks in flight (not after the prompt's 7 chunks)
+        cancelled = Request(prompts[7], params, lambda e: None, request_id="cancelled")
+        engine.submit(cancelled)
+        while not cancelled.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cancelled.finish_reason == "abort" and len(wave_chunks) <= 3 < -(-len(prompts[7]) // CHUNK)
         # under run_server: a device step that fails ends the engine, the request in flight and the process
         server.start()
         headers = {"Content-Type": "application/json"}
@@ -479,12 +490,36 @@ def test_numeric_fields_are_bounded_by_their_device_types():
     check()
 
 
+def test_tokenize_bounded_stops_past_the_limit():
+    """A text far too long is refused after tokenizing a bounded prefix only; a long text of long tokens that
+    fits is tokenized whole; a short one is tokenized once."""
+    from diffspec_jax.serving import protocol as P
+    from diffspec_jax.serving.app import CHARS_PER_TOKEN, tokenize_bounded
+
+    seen = []
+
+    def per(n):  # a tokenizer of one token per n characters, recording what it was given
+        return lambda t: (seen.append(len(t)), list(range(-(-len(t) // n))))[1]
+
+    with pytest.raises(P.APIError) as err:
+        tokenize_bounded(per(1), "x" * 10 ** 6, 100)
+    assert err.value.code == "context_length_exceeded" and seen == [CHARS_PER_TOKEN * 101]
+    seen.clear()
+    assert len(tokenize_bounded(per(4 * CHARS_PER_TOKEN), "x" * 64 * CHARS_PER_TOKEN * 50, 100)) == 800
+    assert seen == [CHARS_PER_TOKEN * 101, 64 * CHARS_PER_TOKEN * 50]
+    seen.clear()
+    assert len(tokenize_bounded(per(1), "x" * 50, 100)) == 50 and seen == [50]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--max-num-seqs", "0"], "max_num_seqs must be an integer in [1, 4096]"),
     (["--draft", "somewhere"], "--draft needs --target"),
     (["--port", "70000"], "--port must be an integer in [0, 65535]"),
     (["--chat-template", "no/such/template.jinja"], "chat template no/such/template.jinja does not exist"),
     (["--request-timeout", "0"], "request_timeout must be a finite number > 0.0"),
+    (["--header-timeout", "0"], "header_timeout must be a finite number > 0.0"),
+    (["--max-request-bytes", "0"], "max_request_bytes must be an integer >= 1, got 0"),
+    (["--max-connections", "0"], "max_connections must be an integer >= 1, got 0"),
 ])
 def test_cli_usage_errors_are_one_line(argv, words, capsys):
     from diffspec_jax import serve
@@ -840,8 +875,8 @@ def test_bad_requests_beside_good_ones(server_process, server, pair, prompts):
             health.append(httpx.get(f"{server}/health", timeout=10).status_code)
             time.sleep(0.05)
 
-    for i in range(len(bad_kinds)):  # warm: every kind once, so the memory before has what serving them keeps
-        assert good(i % 4) and bad_kinds[i]()
+    with concurrent.futures.ThreadPoolExecutor(len(bad_kinds)) as pool:  # warm: every kind once, so the memory
+        assert all(pool.map(lambda f: f(), bad_kinds + [lambda i=i: good(i) for i in range(4)]))  # before holds it
     idle = lambda m: m["diffspec_cache_slots_used"] == 0 and m["diffspec_requests_waiting"] == 0  # noqa: E731
     aborted = 'diffspec_requests_finished_total{finish_reason="abort"}'
     aborted_before, aborts[:] = _wait_for(server, idle)[aborted], []

@@ -46,7 +46,8 @@ RETRY_AFTER_S = 1
 CHARS_PER_TOKEN = 16
 
 
-def tokenize_bounded(encode: Callable[[str], list[int]], text: str, max_tokens: int) -> list[int]:
+def tokenize_bounded(encode: Callable[[str], list[int]], text: str, max_tokens: int,
+                     param: str = "prompt") -> list[int]:
     """``encode(text)``, stopping early for a text far too long: a text longer than :data:`CHARS_PER_TOKEN` x
     (``max_tokens`` + 1) characters is first tokenized up to there, and if that prefix already has more than
     ``max_tokens`` tokens (so the text has at least ``max_tokens``, one merge across the cut aside) it is refused
@@ -57,8 +58,12 @@ def tokenize_bounded(encode: Callable[[str], list[int]], text: str, max_tokens: 
         if len(head) > max_tokens:
             raise P.APIError(400, f"this model's maximum context length is {max_tokens} tokens; the prompt has more "
                                   f"than {max_tokens} tokens (its first {cap} characters have {len(head)})",
-                             param="prompt", code="context_length_exceeded")
+                             param=param, code="context_length_exceeded")
     return encode(text)
+
+
+#: pydantic's names of union members in an error's location (``prompt.str``, ``stop.list[str]``)
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def _validation_error(errors: list[dict[str, Any]]) -> P.APIError:
@@ -75,9 +80,6 @@ def _validation_error(errors: list[dict[str, Any]]) -> P.APIError:
     message = "; ".join(f"{path(e)}: {e.get('msg')}" for e in errors[:5])
     return P.APIError(400, f"invalid request: {message}", param=path(errors[0]) if errors else None)
 
-
-#: pydantic's names of union members in an error's location (``prompt.str``, ``stop.list[str]``)
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str | None = None,
@@ -164,10 +166,10 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
         except InputError as exc:
             raise P.input_error(exc) from None
 
-    def encode(prompt: str | list[int], special: bool = True) -> list[int]:
+    def encode(prompt: str | list[int], special: bool = True, param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             return tokenize_bounded(lambda t: list(tokenizer(t, add_special_tokens=special)["input_ids"]), prompt,
-                                    engine.max_model_len)
+                                    engine.max_model_len, param)
         return list(prompt)
 
     def render_chat(body: P.ChatCompletionRequest) -> list[int]:
@@ -183,7 +185,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
         except Exception as exc:  # noqa: BLE001  (jinja errors, raise_exception in templates)
             raise P.APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
         # as apply_chat_template(tokenize=True) does (the template writes the special tokens), a bounded prefix
-        return [int(t) for t in encode(text, special=False)]
+        return [int(t) for t in encode(text, special=False, param="messages")]
 
     def limit(prompt_len: int, requested: int | None, default: int | None) -> int:
         if requested is not None:
