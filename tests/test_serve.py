@@ -787,17 +787,14 @@ def test_request_size_slow_clients_and_connection_cap(server):
     for k in ("headers", "body", "silent"):
         response, took = out[k]
         assert _status(response) == 408 and b"request_timeout" in response, (k, response)
-        assert READ_TIMEOUT <= took < READ_TIMEOUT + 3, (k, took)
-    socks = []
+        assert READ_TIMEOUT <= took < READ_TIMEOUT + 5, (k, took)
+    socks, t0 = [], time.monotonic()
     try:
-        while len(socks) < CONNECTIONS + 8:
+        while len(socks) < CONNECTIONS + 1:  # silent, so none is served: the last is past the cap
             socks.append(socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))))
-        refused = []
-        for s in socks:
-            s.settimeout(0.05)
-            with contextlib.suppress(OSError):
-                refused.append(s.recv(4096))
-        assert any(_status(r) == 503 for r in refused), refused  # the connections past the cap (or fewer)
+        socks[-1].settimeout(READ_TIMEOUT)
+        refused, took = socks[-1].recv(4096), time.monotonic() - t0
+        assert _status(refused) == 503 and b"too_many_connections" in refused and took < READ_TIMEOUT, refused
     finally:
         for s in socks:
             s.close()

@@ -28,6 +28,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from diffspec_jax.serving.protocol import error_body
 from diffspec_jax.validation import check_int, check_real
 
 #: request bytes allowed whatever ``max_model_len`` (the JSON around the prompt, stop strings, messages' roles)
@@ -72,14 +73,13 @@ class HTTPLimits:
         check_int(self.max_connections, "max_connections", min=1)
 
 
-def _error_json(status: int, message: str, code: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+def _error_json(message: str, code: str) -> bytes:
+    return json.dumps(error_body(message, code=code)).encode()
 
 
 def _raw_response(status: int, reason: str, message: str, code: str) -> bytes:
     """A whole HTTP/1.1 response that closes the connection (for answers before any request was parsed)."""
-    body = _error_json(status, message, code)
+    body = _error_json(message, code)
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"connection: close\r\n\r\n").encode() + body
 
@@ -124,13 +124,12 @@ class BodyLimits:
         return await self.app(scope, replay, send)
 
     def _too_large(self, size: int | None) -> str:
-        got = f"{size} bytes" if size is not None else "more"
-        return (f"the request body is {got}; this server takes at most {self.max_bytes} bytes "
-                f"(--max-request-bytes)")
+        got = f"{size} bytes" if size is not None else f"over {self.max_bytes} bytes"
+        return f"the request body is {got}; this server takes at most {self.max_bytes} (--max-request-bytes)"
 
     @staticmethod
     async def _refuse(send, status: int, message: str, code: str) -> None:
-        body = _error_json(status, message, code)
+        body = _error_json(message, code)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
