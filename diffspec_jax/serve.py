@@ -9,7 +9,8 @@ Examples::
 
 The server binds to ``--host`` (default 127.0.0.1, this machine only; pass ``--host 0.0.0.0`` to serve others,
 ideally with ``--api-key``). It loads the models, compiles every program (the warm-up) and then listens; see
-docs/serving.md for the endpoints, the metrics and the design.
+docs/serving.md for the endpoints, the limits, the metrics and the design. It exits with status 1 when its engine
+fails (every request in it is answered with an error first), for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -64,6 +65,18 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--max-prefill-per-block", type=int, default=None,
                     help="prompt tokens prefilled between two decode blocks while requests decode, in whole chunks "
                          "(default one chunk): bounds the gap prefill adds between a running request's tokens")
+    ap.add_argument("--max-request-bytes", type=int, default=None,
+                    help="largest request body; a larger one gets 413 before it is parsed (default: 1 MiB + 64 "
+                         "bytes per token of --max-model-len)")
+    ap.add_argument("--header-timeout", type=float, default=20.0,
+                    help="seconds for a request's headers to arrive, from the connection or the request's first "
+                         "byte; past it 408 and the connection closes (default 20)")
+    ap.add_argument("--body-timeout", type=float, default=60.0,
+                    help="seconds for a request's body to arrive after its headers; past it 408 (default 60)")
+    ap.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                    help="seconds an idle keep-alive connection stays open (default 5)")
+    ap.add_argument("--max-connections", type=int, default=512,
+                    help="open connections at most; beyond it requests get 503 (default 512)")
     ap.add_argument("--log-level", default="warning", help="uvicorn's log level (default warning)")
     return ap
 
@@ -82,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
                               prefix_caching=not args.no_prefix_caching)
         template = read_text(args.chat_template, "chat template", error=ConfigError) if args.chat_template else None
         try:
-            import uvicorn
-
             from diffspec_jax.serving.app import create_app
+            from diffspec_jax.serving.limits import HTTPLimits, run_server
         except ImportError as exc:
             raise ConfigError(f"the server needs the serve extra ({exc.name} is missing): pip install "
                               f"'diffspec-jax[serve]'") from None
+        limits = HTTPLimits(max_request_bytes=args.max_request_bytes, header_timeout=args.header_timeout,
+                            body_timeout=args.body_timeout, keep_alive_timeout=args.keep_alive_timeout,
+                            max_connections=args.max_connections)
         tok = _tokenizer(target_dir)
         if tok is None:
             raise ConfigError(f"{target_dir} has no tokenizer (tokenizer.json / tokenizer_config.json): the server "
@@ -106,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
               f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     except (DiffspecError, OSError) as exc:
         return report_error(exc)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    status = run_server(app, engine, limits, host=args.host, port=args.port, log_level=args.log_level)
+    if status:
+        print(f"[diffspec-serve] the engine failed ({type(engine.error).__name__}: {engine.error}); exiting with "
+              f"status {status} for a supervisor to restart the server", file=sys.stderr, flush=True)
+    return status
 
 
 if __name__ == "__main__":

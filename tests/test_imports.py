@@ -38,6 +38,7 @@ EXCEPTIONS = {
     ("diffspec_jax.models.attention", "jax._src.cudnn"): "JAX's cuDNN binding: GPUs only",
     ("diffspec_jax.serve", "diffspec_jax.serving.app"): "the FastAPI app needs the serve extra; serve.py reports "
                                                         "its absence as a usage error",
+    ("diffspec_jax.serve", "diffspec_jax.serving.limits"): "uvicorn (the serve extra), as serving.app",
 }
 
 

@@ -2,6 +2,7 @@
 caches) talked to with the ``openai`` client and raw HTTP; its answers checked against ``generate()`` run alone on
 each request. The slot engine's failure isolation and per-row sampling are tested in process."""
 
+import contextlib
 import json
 import os
 import socket
@@ -25,6 +26,8 @@ from diffspec_jax.engine.compile import capacity_bucket  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
 SLOTS, MAX_LEN, CHUNK, WAITING = 4, 512, 64, 4
+#: the server's header and body timeouts (seconds) and connection cap: short, so slow clients are tested fast
+READ_TIMEOUT, CONNECTIONS = 1.5, 64
 #: DiffSpec with a small working cache, so prompts of a few hundred tokens retrieve
 SPEC = SpecConfig.from_flat(dict(num_speculative_tokens=4, draft_context_policy="diffspec", diffspec_token_budget=128,
                                  diffspec_chunk_size=16))
@@ -69,7 +72,8 @@ def server_process(tmp_path_factory):
     cmd = [sys.executable, "-m", "diffspec_jax.serve", "--port", str(port), "--max-num-seqs", str(SLOTS),
            "--max-model-len", str(MAX_LEN), "--prefill-chunk", str(CHUNK), "--policy", "diffspec",
            "--token-budget", "128", "--chunk-size", "16", "--api-key", API_KEY, "--max-waiting", str(WAITING),
-           "--chat-template", str(tmp / "chat.jinja"), "--request-timeout", "120"]
+           "--chat-template", str(tmp / "chat.jinja"), "--request-timeout", "120", "--header-timeout",
+           str(READ_TIMEOUT), "--body-timeout", str(READ_TIMEOUT), "--max-connections", str(CONNECTIONS)]
     log_path = tmp / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -201,6 +205,105 @@ def test_engine_isolates_a_failing_request(pair, prompts):
             assert rel_err(np.asarray(view[0, :, :len(p)]), np.asarray(want[0, :, :len(p)])) < 1e-5
     finally:
         engine.stop()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread raises
+def test_engine_fails_a_request_alone_and_stops_the_server_when_the_device_fails(pair, prompts):
+    """Faults injected while one request is admitted (a top_k beyond int32, which crashed the engine in issue 38),
+    prefilled or started fail that request alone (500) beside a request that still equals generate(); a
+    cancellation takes effect within one block (in a wave's prefill, after the chunks in flight). Then under
+    run_server, a failing device step fails the request in flight (500 over HTTP), /health turns 503 at once (seen
+    from the engine's failure hook) and run_server returns exit status 1. (The slots and plan of the tests above:
+    their programs.)"""
+    import dataclasses
+
+    from diffspec_jax.serving.app import create_app
+    from diffspec_jax.serving.limits import HTTPLimits, run_server
+    from diffspec_jax.serving.scheduler import EngineConfig, EngineStopped, Request, SamplingParams, SlotEngine
+
+    target, draft, tok = pair
+    seen = {}
+
+    def hook(exc):  # called on the engine thread before run_server's own hook stops the server
+        seen["exc"], seen["health"] = exc, httpx.get(f"{url}/health").status_code
+
+    engine = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=2, max_model_len=MAX_LEN, prefill_chunk=CHUNK),
+                        on_failure=hook)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    prefill, start = engine._prefill_chunk, engine._start
+
+    wave_chunks = []
+
+    def faulty(step, rid):
+        def run(a):
+            if a.req.id == rid:
+                raise RuntimeError(f"injected {rid}")
+            if a.req.id == "cancelled" and step is prefill:  # cancelled as its wave's prefill begins
+                wave_chunks.append(a.chunk) or engine.abort("cancelled")
+            return step(a)
+        return run
+
+    engine._prefill_chunk, engine._start = faulty(prefill, "prefill"), faulty(start, "start")
+    engine.start()
+    status = []
+    server = threading.Thread(target=lambda: status.append(run_server(
+        create_app(engine, tok, model_name="m"), engine, HTTPLimits(), sock=sock)))
+    try:
+        events = {k: [] for k in ("admit", "prefill", "start", "good")}
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        reqs = [Request(prompts[1], dataclasses.replace(params), events[k].append, request_id=k) for k in events]
+        object.__setattr__(reqs[0].params, "top_k", 2 ** 31)  # past validation: as a request body could before
+        for r in reqs:
+            engine.submit(r)
+        deadline = time.monotonic() + 120
+        while not all(r.finished for r in reqs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for k, why in (("admit", "OverflowError"), ("prefill", "injected"), ("start", "injected")):
+            assert events[k][-1].kind == "error" and events[k][-1].status == 500 and why in events[k][-1].message
+        assert reqs[3].tokens == _reference(pair, prompts[1], 12, stop_token_ids=())
+        assert engine.metrics()["healthy"] and engine.metrics()["slots_used"] == 0
+        # a cancellation is taken at the engine's next step: at most one more block is dispatched meanwhile
+        blocks, abort = [], engine._abort
+        engine._abort = lambda rid: (blocks.append(engine.counters["blocks"]), abort(rid))
+        long = Request(prompts[1], SamplingParams(max_tokens=400, ignore_eos=True), lambda e: None)
+        engine.submit(long)
+        while len(long.tokens) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        blocks.append(engine.counters["blocks"])
+        engine.abort(long.id)
+        while not long.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert long.finish_reason == "abort" and blocks[1] - blocks[0] <= 1
+        # ... or while a wave prefills, after the chunks in flight (not after the prompt's 7 chunks)
+        cancelled = Request(prompts[7], params, lambda e: None, request_id="cancelled")
+        engine.submit(cancelled)
+        while not cancelled.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cancelled.finish_reason == "abort" and len(wave_chunks) <= 3 < -(-len(prompts[7]) // CHUNK)
+        # under run_server: a device step that fails ends the engine, the request in flight and the process
+        server.start()
+        headers = {"Content-Type": "application/json"}
+        while True:
+            try:
+                r = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 3}, timeout=60)
+                break
+            except httpx.ConnectError:
+                time.sleep(0.05)
+        assert r.status_code == 200
+        engine._block = lambda *a: (_ for _ in ()).throw(RuntimeError("injected device failure"))
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompts[0], "max_tokens": 3}, headers=headers,
+                       timeout=60)
+        assert r.status_code == 500 and "injected device failure" in r.json()["error"]["message"]
+        server.join(30)
+        assert status == [1] and seen["health"] == 503 and "injected device failure" in str(seen["exc"])
+        with pytest.raises(EngineStopped):
+            engine.submit(Request(prompts[0], params, lambda e: None))
+    finally:
+        engine.stop()
+        server.join(30)
+        sock.close()
 
 
 def test_prefill_waves_and_interleaving(pair, prompts):
@@ -335,12 +438,97 @@ def test_row_keys_decide_each_row_alone():
             assert int(m[i]) == int(mi[0]) and np.array_equal(np.asarray(emitted[i]), np.asarray(ei[0]))
 
 
+def _numeric_fields(model) -> list[str]:
+    import re
+
+    return sorted(k for k, f in model.model_fields.items() if {"int", "float"} & set(
+        re.findall(r"\w+", str(f.annotation))))
+
+
+def test_numeric_fields_are_bounded_by_their_device_types():
+    """Every numeric field of the request models (found from their annotations, so a new one is covered): any
+    integer or float, in range or far out of it, NaN and infinities included, is either refused with a 400 whose
+    param names the field, or fits the device type the engine holds it in (int32; float32 finite; the seed 64
+    bits) and makes valid SamplingParams."""
+    import pydantic
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from diffspec_jax.errors import InputError
+    from diffspec_jax.serving import protocol as P
+    from diffspec_jax.serving.app import _validation_error
+    from diffspec_jax.serving.scheduler import SamplingParams
+
+    fields = {P.CompletionRequest: _numeric_fields(P.CompletionRequest),
+              P.ChatCompletionRequest: _numeric_fields(P.ChatCompletionRequest)}
+    assert {"max_tokens", "top_k", "seed", "temperature", "top_p", "stop_token_ids", "n", "logprobs",
+            "best_of"} <= set(fields[P.CompletionRequest])
+    assert {"max_completion_tokens", "top_logprobs"} <= set(fields[P.ChatCompletionRequest])
+    base = {P.CompletionRequest: {"prompt": "x"}, P.ChatCompletionRequest: {"messages": [{"role": "u",
+                                                                                          "content": "x"}]}}
+    numbers = st.one_of(st.integers(-2 ** 70, 2 ** 70), st.sampled_from([2 ** 31 - 1, 2 ** 31, -2 ** 31 - 1, 2 ** 63,
+                                                                        2 ** 64, -2 ** 63 - 1, 3.5e38, 1e-300]),
+                        st.floats(allow_nan=True, allow_infinity=True))
+
+    @settings(max_examples=80, deadline=None)
+    @given(st.sampled_from(sorted(fields, key=str)), st.data(), numbers)
+    def check(model, data, value):
+        field = data.draw(st.sampled_from(fields[model]))
+        sent = [value] if field == "stop_token_ids" else {"7": value} if field == "logit_bias" else value
+        try:
+            body = model.model_validate({**base[model], field: sent})
+        except pydantic.ValidationError as exc:
+            assert _validation_error(exc.errors()).param.split(".")[0] == field
+            return
+        got = getattr(body, field)
+        for v in got if isinstance(got, list) else got.values() if isinstance(got, dict) else [got]:
+            if field == "seed":
+                assert -2 ** 63 <= v < 2 ** 64
+            elif isinstance(v, int):
+                np.int32(v)  # raises OverflowError past int32
+            else:
+                assert np.isfinite(np.float32(v))
+        if field in ("max_tokens", "top_k", "seed", "temperature", "top_p", "stop_token_ids"):
+            try:
+                SamplingParams(max_tokens=body.max_tokens or 1, temperature=body.temperature or 0.0,
+                               top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0), seed=body.seed,
+                               stop_token_ids=tuple(body.stop_token_ids or ()))
+            except InputError as exc:
+                raise AssertionError(f"{field}={value!r} passed the model but not SamplingParams: {exc}")
+
+    check()
+
+
+def test_tokenize_bounded_stops_past_the_limit():
+    """A text far too long is refused after tokenizing a bounded prefix only; a long text of long tokens that
+    fits is tokenized whole; a short one is tokenized once."""
+    from diffspec_jax.serving import protocol as P
+    from diffspec_jax.serving.app import CHARS_PER_TOKEN, tokenize_bounded
+
+    seen = []
+
+    def per(n):  # a tokenizer of one token per n characters, recording what it was given
+        return lambda t: (seen.append(len(t)), list(range(-(-len(t) // n))))[1]
+
+    with pytest.raises(P.APIError) as err:
+        tokenize_bounded(per(1), "x" * 10 ** 6, 100)
+    assert err.value.code == "context_length_exceeded" and seen == [CHARS_PER_TOKEN * 101]
+    seen.clear()
+    assert len(tokenize_bounded(per(4 * CHARS_PER_TOKEN), "x" * 64 * CHARS_PER_TOKEN * 50, 100)) == 800
+    assert seen == [CHARS_PER_TOKEN * 101, 64 * CHARS_PER_TOKEN * 50]
+    seen.clear()
+    assert len(tokenize_bounded(per(1), "x" * 50, 100)) == 50 and seen == [50]
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--max-num-seqs", "0"], "max_num_seqs must be an integer in [1, 4096]"),
     (["--draft", "somewhere"], "--draft needs --target"),
     (["--port", "70000"], "--port must be an integer in [0, 65535]"),
     (["--chat-template", "no/such/template.jinja"], "chat template no/such/template.jinja does not exist"),
     (["--request-timeout", "0"], "request_timeout must be a finite number > 0.0"),
+    (["--header-timeout", "0"], "header_timeout must be a finite number > 0.0"),
+    (["--max-request-bytes", "0"], "max_request_bytes must be an integer >= 1, got 0"),
+    (["--max-connections", "0"], "max_connections must be an integer >= 1, got 0"),
 ])
 def test_cli_usage_errors_are_one_line(argv, words, capsys):
     from diffspec_jax import serve
@@ -477,6 +665,15 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, client, pa
         ("chat/completions", {"messages": []}, 400, "messages", None),
         ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
          "messages", None),
+        # issue 38: numbers beyond their device types, chat messages without their text, a prompt far too long
+        ("completions", {"prompt": "x", "max_tokens": 2, "top_k": 2 ** 31}, 400, "top_k", None),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 2 ** 40}, 400, "top_k", None),
+        ("completions", {"prompt": "x", "seed": 2 ** 64}, 400, "seed", None),
+        ("completions", {"prompt": [5, 2 ** 40]}, 400, "prompt.1", None),
+        ("chat/completions", {"messages": [{"role": "user"}]}, 400, "messages.0.content", None),
+        ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+         "messages.0.content.0.text", None),
+        ("completions", {"prompt": "def f(x): return x\n" * 1200}, 400, "prompt", "context_length_exceeded"),
     ]
     for path, body, status, param, code in cases:
         r = post(path, body)
@@ -487,6 +684,16 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, client, pa
     r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={**headers, "Content-Type":
                                                                                "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # a lone surrogate (JSON escape) in a prompt: 400, and the keep-alive connection serves the next request
+    with httpx.Client(headers=headers, timeout=60) as http:
+        for path in ("completions", "chat/completions"):
+            body = (b'{"prompt": "a\\ud800b"}' if path == "completions" else
+                    b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}')
+            r = http.post(f"{server}/v1/{path}", content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] in ("prompt", "messages.0.content")
+            stream = r.extensions["network_stream"]
+            assert http.get(f"{server}/health").extensions["network_stream"] is stream
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="diffspec-demo", prompt="x", max_tokens=MAX_LEN + 1)
     # still serving, and what it serves is right
@@ -525,6 +732,187 @@ def test_queue_limit_and_cancelled_streams_free_their_slots(server, prompts):
     aborted = 'diffspec_requests_finished_total{finish_reason="abort"}'
     assert m[aborted] - before[aborted] == SLOTS + WAITING
     http.close()
+
+
+def _raw(server, parts, pause=0.0, wait=10.0) -> tuple[bytes, float]:
+    """Send ``parts`` (bytes) over one loopback socket, ``pause`` seconds apart, and read until the server closes
+    the connection (or ``wait`` seconds pass): ``(what came back, seconds from the first byte sent to the end)``.
+    Sending stops once the server has closed the connection."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        t0 = time.monotonic()
+        for i, part in enumerate(parts):
+            if i and pause:
+                time.sleep(pause)
+            try:
+                sock.sendall(part)
+            except OSError:  # closed by the server: read what it answered
+                break
+        out = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                out += chunk
+        return out, time.monotonic() - t0
+
+
+def _status(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1]) if response.startswith(b"HTTP/1.1 ") else 0
+
+
+def _post_head(length: int | str, path="/v1/completions") -> bytes:
+    size = f"Transfer-Encoding: chunked" if length == "chunked" else f"Content-Length: {length}"
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\n{size}\r\n\r\n").encode()
+
+
+def _slow_clients(server) -> dict[str, tuple[bytes, float]]:
+    """Each way a client can hold the server, sent at once over raw sockets: a body past the size limit (declared,
+    and chunked), headers or a body sent a byte at a time, a connection that sends nothing."""
+    limit = 1 << 20 | 64 * MAX_LEN  # the default --max-request-bytes at --max-model-len MAX_LEN
+    head = _post_head(100)
+    cases = {
+        "declared": ([_post_head(10 ** 9)], 0.0),
+        "chunked": ([_post_head("chunked"), f"{limit + 1:x}\r\n".encode() + b"x" * (limit + 1)], 0.0),
+        "headers": ([head[i:i + 1] for i in range(len(head))], 0.2),
+        "body": ([head] + [b"{"] * 100, 0.2),
+        "silent": ([b""], 0.0),
+    }
+    out = {}
+    threads = [threading.Thread(target=lambda k=k, c=c: out.__setitem__(k, _raw(server, *c))) for k, c in cases.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_request_size_slow_clients_and_connection_cap(server):
+    """Bodies past --max-request-bytes get 413 before they are parsed (at once when Content-Length says so);
+    headers or bodies that trickle in, and silent connections, get 408 within the timeouts; a connection beyond
+    --max-connections gets 503. The server serves on."""
+    out = _slow_clients(server)
+    assert _status(out["declared"][0]) == 413 and out["declared"][1] < 2
+    assert b"--max-request-bytes" in out["declared"][0] and _status(out["chunked"][0]) == 413
+    for k in ("headers", "body", "silent"):
+        response, took = out[k]
+        assert _status(response) == 408 and b"request_timeout" in response, (k, response)
+        assert READ_TIMEOUT <= took < READ_TIMEOUT + 5, (k, took)
+    socks, t0 = [], time.monotonic()
+    try:
+        while len(socks) < CONNECTIONS + 1:  # silent, so none is served: the last is past the cap
+            socks.append(socket.create_connection(("127.0.0.1", int(server.rsplit(":", 1)[1]))))
+        socks[-1].settimeout(READ_TIMEOUT)
+        refused, took = socks[-1].recv(4096), time.monotonic() - t0
+        assert _status(refused) == 503 and b"too_many_connections" in refused and took < READ_TIMEOUT, refused
+    finally:
+        for s in socks:
+            s.close()
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_bad_requests_beside_good_ones(server_process, server, pair, prompts):
+    """Issue 38's load: 100 bad requests, the kinds above in turn (numbers past int32, a lone surrogate, bodies
+    past the limit, slow clients, a prompt far too long, chat messages without text, clients that go away), sent
+    concurrently with 100 good greedy ones: /health answers 200 throughout, every good request returns
+    generate()'s tokens, and the server's memory after is within 10% of before."""
+    import concurrent.futures
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    http = httpx.Client(headers=headers, timeout=120, limits=httpx.Limits(max_connections=32))
+    tok = pair[2]
+    goods = [(prompts[i], 2) for i in range(4)]
+    want = [tok.decode(_reference(pair, p, n, stop_token_ids=()), skip_special_tokens=True) for p, n in goods]
+
+    def good(i):
+        body = {"prompt": goods[i % 4][0], "max_tokens": goods[i % 4][1], "temperature": 0, "ignore_eos": True}
+        while (r := http.post(f"{server}/v1/completions", json=body)).status_code == 503:  # queue full: retry
+            time.sleep(0.05)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"] == want[i % 4]
+
+    def post(path, body, status, **kw):
+        r = http.post(f"{server}/v1/{path}", **({"content": body} if isinstance(body, bytes) else {"json": body}),
+                      **kw)
+        return r.status_code == status
+
+    aborts = []
+
+    def gone(stream):  # a client that goes away while its request is queued or running: the engine aborts it
+        body = {"prompt": prompts[2], "max_tokens": 300, "ignore_eos": True, "stream": stream}
+        while True:
+            try:
+                with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers,
+                                  timeout=0.3 if not stream else 120) as r:
+                    if r.status_code == 503:  # the queue is full: nothing to abort yet
+                        time.sleep(0.05)
+                        continue
+                    assert stream and r.status_code == 200
+                    next(r.iter_lines())
+            except httpx.TimeoutException:
+                assert not stream
+            aborts.append(1)
+            return True
+
+    head = _post_head(100)
+    bad_kinds = [
+        lambda: post("completions", {"prompt": "x", "max_tokens": 2, "top_k": 2 ** 31}, 400),
+        lambda: post("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": 2 ** 40}, 400),
+        lambda: post("completions", b'{"prompt": "a\\ud800b"}', 400, headers={"Content-Type": "application/json"}),
+        lambda: _status(_raw(server, [_post_head(10 ** 9)])[0]) == 413,
+        lambda: _status(_raw(server, [head[:20]])[0]) == 408,
+        lambda: _status(_raw(server, [head, b"{"])[0]) == 408,
+        lambda: post("completions", {"prompt": "def f(x): return x\n" * 1200}, 400),
+        lambda: post("chat/completions", {"messages": [{"role": "user"}]}, 400),
+        lambda: post("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400),
+        lambda: gone(stream=True),
+        lambda: gone(stream=False),
+    ]
+    health, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            health.append(httpx.get(f"{server}/health", timeout=10).status_code)
+            time.sleep(0.1)
+
+    with concurrent.futures.ThreadPoolExecutor(len(bad_kinds)) as pool:  # warm: every kind once, so the memory
+        assert all(pool.map(lambda f: f(), bad_kinds + [lambda i=i: good(i) for i in range(4)]))  # before holds it
+    idle = lambda m: m["diffspec_cache_slots_used"] == 0 and m["diffspec_requests_waiting"] == 0  # noqa: E731
+    aborted = 'diffspec_requests_finished_total{finish_reason="abort"}'
+    aborted_before, aborts[:] = _wait_for(server, idle)[aborted], []
+    pid = server_process[0].pid
+    before = _rss_bytes(pid)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    # the engine sees at most SLOTS + WAITING requests (good ones, and clients that go away) so that 503s are rare
+    pools = [concurrent.futures.ThreadPoolExecutor(n) for n in (SLOTS + WAITING - 2, 2, 6)]
+    try:
+        futures = []
+        for i in range(100):  # the bad kinds in turn
+            kind = i % len(bad_kinds)
+            futures.append(pools[0].submit(good, i))
+            futures.append(pools[1 if kind >= len(bad_kinds) - 2 else 2].submit(bad_kinds[kind]))
+        results = [f.result() for f in futures]
+    finally:
+        for pool in pools:
+            pool.shutdown(cancel_futures=True)
+        done.set()
+        watcher.join()
+        http.close()
+    assert all(results[0::2]), "a good request did not get generate()'s text"
+    assert all(results[1::2]), [i for i, ok in enumerate(results[1::2]) if not ok]
+    assert health and set(health) == {200}
+    m = _wait_for(server, idle)
+    assert idle(m) and m["diffspec_engine_healthy"] == 1
+    assert m[aborted] - aborted_before == len(aborts) > 0  # every client that went away was aborted
+    after = _rss_bytes(pid)
+    assert after <= 1.1 * before, (before, after)
 
 
 def test_serve_load_benchmark_against_the_server(server, tmp_path):

@@ -10,7 +10,9 @@ back through an ``asyncio.Queue`` (``loop.call_soon_threadsafe``). Text is detok
 the engine thread (:class:`diffspec_jax.stopping.SequenceText`). Errors are OpenAI error bodies: 400 for invalid
 requests (validation, unsupported keys, prompt + ``max_tokens`` beyond ``max_model_len``), 401 without the API
 key, 404 for another model name, 503 with ``Retry-After`` when the waiting queue is full, 504 past the request
-timeout. A client that disconnects (or closes its stream) aborts its request, which frees its slot.
+timeout. A client that disconnects (or closes its stream) aborts its request, which frees its slot. Text prompts
+are tokenized a bounded prefix at a time (:func:`tokenize_bounded`). The limits on bodies, slow clients and
+connections are the HTTP layer's (:mod:`diffspec_jax.serving.limits`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator
+import re
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,10 +39,47 @@ from diffspec_jax.stopping import SequenceText
 
 #: ``max_tokens`` of a completion that does not set it (the OpenAI default)
 DEFAULT_COMPLETION_TOKENS = 16
-#: seconds between checks that a non-streaming client is still connected
-DISCONNECT_POLL_S = 0.5
 #: ``Retry-After`` of a 503 (seconds)
 RETRY_AFTER_S = 1
+#: characters per token assumed when a text is cut before it is tokenized (:func:`tokenize_bounded`): more than
+#: any tokenizer's average, so a text cut there that still has too few tokens is rare (it is then tokenized whole)
+CHARS_PER_TOKEN = 16
+
+
+def tokenize_bounded(encode: Callable[[str], list[int]], text: str, max_tokens: int,
+                     param: str = "prompt") -> list[int]:
+    """``encode(text)``, stopping early for a text far too long: a text longer than :data:`CHARS_PER_TOKEN` x
+    (``max_tokens`` + 1) characters is first tokenized up to there, and if that prefix already has more than
+    ``max_tokens`` tokens (so the text has at least ``max_tokens``, one merge across the cut aside) it is refused
+    with a 400 ``context_length_exceeded`` without tokenizing the rest."""
+    cap = CHARS_PER_TOKEN * (max_tokens + 1)
+    if len(text) > cap:
+        head = encode(text[:cap])
+        if len(head) > max_tokens:
+            raise P.APIError(400, f"this model's maximum context length is {max_tokens} tokens; the prompt has more "
+                                  f"than {max_tokens} tokens (its first {cap} characters have {len(head)})",
+                             param=param, code="context_length_exceeded")
+    return encode(text)
+
+
+#: pydantic's names of union members in an error's location (``prompt.str``, ``stop.list[str]``)
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _validation_error(errors: list[dict[str, Any]]) -> P.APIError:
+    """pydantic's errors as one 400: for a field that has an error saying what is wrong with its value, the union
+    members it merely is not (``Input should be a valid list``) are left out; ``param`` is the first error's path
+    without pydantic's type tags (``prompt.2``, ``messages.0.content``)."""
+    def path(e):
+        return ".".join(str(x) for x in e.get("loc", ()) if isinstance(x, int) or (
+            x != "body" and re.fullmatch(r"[A-Za-z_]\w*", x) and x not in _TYPE_TAGS)) or "body"
+
+    mismatch = lambda e: e.get("type", "").endswith("_type")  # noqa: E731
+    told = {path(e).split(".")[0] for e in errors if not mismatch(e)}
+    errors = [e for e in errors if not (mismatch(e) and path(e).split(".")[0] in told)]
+    message = "; ".join(f"{path(e)}: {e.get('msg')}" for e in errors[:5])
+    return P.APIError(400, f"invalid request: {message}", param=path(errors[0]) if errors else None)
+
 
 
 def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str | None = None,
@@ -74,13 +114,8 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
         return answer_error(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: {e.get('msg')}"
-                            for e in errors[:5])
-        return answer_error(P.APIError(400, f"invalid request: {message}", param=".".join(loc) or None))
+    async def _invalid(_request, exc: RequestValidationError):
+        return answer_error(_validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):
@@ -131,9 +166,10 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
         except InputError as exc:
             raise P.input_error(exc) from None
 
-    def encode(prompt: str | list[int]) -> list[int]:
+    def encode(prompt: str | list[int], special: bool = True, param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            return tokenize_bounded(lambda t: list(tokenizer(t, add_special_tokens=special)["input_ids"]), prompt,
+                                    engine.max_model_len, param)
         return list(prompt)
 
     def render_chat(body: P.ChatCompletionRequest) -> list[int]:
@@ -142,14 +178,14 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
             raise P.APIError(400, f"the model {model_name!r} has no chat template (start the server with "
                                   f"--chat-template FILE), so /v1/chat/completions cannot render messages; use "
                                   f"/v1/completions", param="messages")
+        chat = body.chat()
         try:
-            ids = tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=True,
-                                                chat_template=template)
+            text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
+                                                 chat_template=template)
         except Exception as exc:  # noqa: BLE001  (jinja errors, raise_exception in templates)
             raise P.APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
-        if hasattr(ids, "keys"):  # transformers v5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        # as apply_chat_template(tokenize=True) does (the template writes the special tokens), a bounded prefix
+        return [int(t) for t in encode(text, special=False, param="messages")]
 
     def limit(prompt_len: int, requested: int | None, default: int | None) -> int:
         if requested is not None:
@@ -175,23 +211,24 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
         return req, events
 
     async def collect(request: Request, req: EngineRequest, events: asyncio.Queue) -> tuple[str, Event]:
-        """Wait for the whole answer; a client that goes away aborts its request."""
+        """Wait for the whole answer; a client that goes away aborts its request at once."""
         texts = []
-        while True:
-            try:
-                ev = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            while True:
+                ev = await _first(events.get(), gone)
+                if ev is None:
                     engine.abort(req.id)
-                    raise P.APIError(499, "the client closed the connection", code="client_closed") from None
-                continue
-            if ev.kind == "tokens":
-                texts.append(ev.text or "")
-            elif ev.kind == "error":
-                raise P.APIError(ev.status or 500, ev.message or "failed", ev.error_type or "internal_error")
-            else:  # "abort" (the server is stopping) is no OpenAI finish reason
-                ev.finish_reason = ev.finish_reason if ev.finish_reason in ("stop", "length") else None
-                return "".join(texts), ev
+                    raise P.APIError(499, "the client closed the connection", code="client_closed")
+                if ev.kind == "tokens":
+                    texts.append(ev.text or "")
+                elif ev.kind == "error":
+                    raise P.APIError(ev.status or 500, ev.message or "failed", ev.error_type or "internal_error")
+                else:  # "abort" (the server is stopping) is no OpenAI finish reason
+                    ev.finish_reason = ev.finish_reason if ev.finish_reason in ("stop", "length") else None
+                    return "".join(texts), ev
+        finally:
+            gone.cancel()
 
     async def stream(req: EngineRequest, events: asyncio.Queue, chunk, include_usage: bool,
                      first: dict | None) -> AsyncIterator[str]:
@@ -330,3 +367,19 @@ def prometheus_text(m: dict[str, Any], http_errors: dict[int, int]) -> str:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot())
     return generate_latest(registry).decode()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has gone away (the server's ``http.disconnect``; the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _first(get, gone: asyncio.Future):
+    """The result of awaiting ``get``, or ``None`` if ``gone`` finishes first."""
+    task = asyncio.ensure_future(get)
+    await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        return task.result()
+    task.cancel()
+    return None

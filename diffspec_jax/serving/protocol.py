@@ -4,21 +4,48 @@ Requests follow the OpenAI completions and chat completions APIs, plus the sampl
 ``stop_token_ids``, ``ignore_eos``). Fields this server does not implement (``logprobs``, ``echo``, ``suffix``,
 penalties, ``n`` other than 1, ...) are refused with HTTP 400 when set to anything but their neutral value; keys
 it does not know are ignored, as the OpenAI API ignores them. Types are strict (``"0.5"`` is not a number,
-``true`` is not an integer).
+``true`` is not an integer). Every number must fit the type the device holds it in (:data:`INT32_MAX`,
+:data:`FLOAT32_MAX`; no NaN or infinity), and every string must be valid Unicode (no lone surrogate such as
+``"\\ud800"``, which no tokenizer can encode): a request outside these is a 400 naming the field, never a failure in
+the engine.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from diffspec_jax.errors import InputError
 
 #: stop strings per request (OpenAI allows 4)
 MAX_STOP_STRINGS = 16
+#: the largest integer a request may give: token ids, counts and top-k are int32 on the device
+INT32_MAX = 2 ** 31 - 1
+#: the largest temperature: sampling parameters are float32 on the device
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _valid_unicode(text: str) -> str:
+    """``text`` unless it holds a lone surrogate (JSON's ``"\\ud800"``: no UTF-8 form, so no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone surrogate ({text[exc.start]!r} at character {exc.start}), which is "
+                         f"not valid Unicode; send well-formed UTF-8") from None
+    return text
+
+
+#: a string field: valid Unicode
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+#: an int32 count (>= 1)
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
+#: a token id (int32 >= 0; the vocabulary is checked where the model is known)
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+#: an integer that only has to fit int32 (fields refused unless neutral: n, logprobs, best_of, ...)
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
@@ -41,7 +68,7 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -51,22 +78,23 @@ class StreamOptions(_Strict):
 class _SamplingRequest(_Strict):
     """The keys completions and chat completions share."""
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0)
+    model: Text | None = None
+    max_tokens: Count | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=FLOAT32_MAX)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    #: any 64-bit seed, signed or not (as :class:`~diffspec_jax.serving.scheduler.SamplingParams` takes it)
+    seed: int | None = Field(default=None, ge=-(2 ** 63), le=2 ** 64 - 1)
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: Int32 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # OpenAI's ranges (refused unless 0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: Text | None = None
 
     def check_supported(self) -> None:
         """:class:`APIError` (400) for keys set to something this server does not do."""
@@ -99,11 +127,11 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: ``prompt`` is text or token ids (one prompt per request)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     echo: bool = False
-    suffix: str | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
+    suffix: Text | None = None
+    logprobs: Int32 | None = None
+    best_of: Int32 | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -130,25 +158,31 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Strict):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Strict):
-    model_config = ConfigDict(strict=True, extra="allow")
+    """One message; ``content`` is required (this server has no tool calls, the one case OpenAI lets it be null)."""
 
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
-    def text(self) -> str | None:
-        """The message's text (text parts joined; other part types are refused)."""
-        if self.content is None or isinstance(self.content, str):
+    role: Text
+    content: Text | list[ContentPart]
+    name: Text | None = None
+
+    def text(self, param: str = "messages") -> str:
+        """The message's text (text parts joined; other part types are refused, a text part needs its ``text``;
+        ``param`` names the message in errors)."""
+        if isinstance(self.content, str):
             return self.content
-        for part in self.content:
-            if part.type != "text" or part.text is None:
+        for i, part in enumerate(self.content):
+            if part.type != "text":
                 raise APIError(400, f"message content parts of type {part.type!r} are not supported (text only)",
                                param="messages")
+            if part.text is None:
+                raise APIError(400, f"{param}.content.{i} is a text part without its 'text' string",
+                               param=f"{param}.content.{i}.text")
         return "".join(part.text for part in self.content)
 
 
@@ -156,9 +190,9 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``: ``messages`` rendered by the tokenizer's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
     tools: list[Any] | None = None
 
     def check_supported(self) -> None:
@@ -174,8 +208,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def chat(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them."""
         out = []
-        for m in self.messages:
-            d = {"role": m.role, "content": m.text() or ""}
+        for i, m in enumerate(self.messages):
+            d = {"role": m.role, "content": m.text(f"messages.{i}")}
             if m.name:
                 d["name"] = m.name
             out.append(d)

@@ -32,14 +32,16 @@ cycle, so the block before it is done. Reading a block only once ``is_ready()`` 
 version did, delivered some blocks a block late: on the H200, with 8 clients, p99 inter-token latency went to 2.1x
 its median.) Results reach a request
 through its ``sink`` (called on the engine thread with :class:`Event` values); what happens to the text
-(detokenization, stop strings) is the request's ``output`` processor, also run on the engine thread. A failure in
-one request's processing fails that request alone; a failure of the device programs fails every request and stops
-the engine (:attr:`SlotEngine.error`).
+(detokenization, stop strings) is the request's ``output`` processor, also run on the engine thread. A failure
+while one request is admitted, prefilled, started or delivered fails that request alone (an ``error`` event, 500)
+as long as the batch's device state is intact; a failure of the device programs fails every request, stops the
+engine (:attr:`SlotEngine.error`) and calls :attr:`SlotEngine.on_failure`.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gc
 import queue
@@ -268,11 +270,13 @@ class SlotEngine:
             config's EOS ids).
         session: the :class:`~diffspec_jax.engine.session.Session` holding the compiled programs (default: the
             process's :func:`~diffspec_jax.engine.session.default_session`).
+        on_failure: called with the exception, on the engine thread, when the engine thread fails (after every
+            request in it was failed): the server stops its process there (:attr:`on_failure`).
     """
 
     def __init__(self, target: TargetModel, draft=None, spec: SpecConfig | None = None,
                  config: EngineConfig = EngineConfig(), eos_token_ids: Sequence[int] | None = None,
-                 session: Session | None = None):
+                 session: Session | None = None, on_failure: Callable[[BaseException], Any] | None = None):
         if not isinstance(config, EngineConfig):
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         spec = SpecConfig() if spec is None else spec
@@ -363,6 +367,8 @@ class SlotEngine:
         self._listening = False
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        #: ``on_failure(exc)``: what to do when the engine thread fails (see the constructor)
+        self.on_failure = on_failure
         self.xla_compiles = 0
         self.warmup_compiles: int | None = None
         self.warmup_xla_compiles: int | None = None
@@ -570,9 +576,24 @@ class SlotEngine:
             for req in list(self._waiting) + [r for r in self.slots if r is not None]:
                 self._fail(req, 500, f"the engine failed: {type(exc).__name__}: {exc}", "internal_error")
             self._drain_failed()
+            if self.on_failure is not None:
+                self.on_failure(exc)
             raise
         for req in list(self._waiting) + [r for r in self.slots if r is not None]:
             self._finish(req, "abort", release=False)
+
+    @contextlib.contextmanager
+    def _alone(self, req: Request, what: str):
+        """Run the block for ``req`` alone: if it raises while the batch's device state is intact, ``req`` fails
+        (500) and the engine goes on. A failure that lost the batch state (a program that consumed its donated
+        inputs) stops the engine."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001  (whatever one request's preparation raises)
+            if any(x.is_deleted() for x in jax.tree_util.tree_leaves((self._state, self._loop))
+                   if isinstance(x, jax.Array)):
+                raise
+            self._fail(req, 500, f"{what} the request failed: {type(exc).__name__}: {exc}", "internal_error")
 
     def _drain_failed(self) -> None:
         while True:
@@ -665,15 +686,16 @@ class SlotEngine:
             self._set_table(slot, adm.pages)
             self._admitted += 1
             req.admitted_seq = self._admitted
-            p = req.params
-            self._state = self._progs.reset(self.clock, self._state, np.int32(slot), np.float32(p.temperature),
-                                            np.int32(p.top_k), np.float32(p.top_p), seed_key(req.seed))
-            w, start = self.prefill_chunk, adm.cached_tokens
-            n = -(-(len(ids) - start) // w)
-            tokens = np.zeros(n * w + 1, np.int32)
-            tokens[:len(ids) - start] = ids[start:]
-            self._admissions[slot] = _Admission(req, slot, tokens, n, self._acc(self.clock), start=start,
-                                                length=len(ids))
+            with self._alone(req, "admitting"):
+                p = req.params
+                self._state = self._progs.reset(self.clock, self._state, np.int32(slot), np.float32(p.temperature),
+                                                np.int32(p.top_k), np.float32(p.top_p), seed_key(req.seed))
+                w, start = self.prefill_chunk, adm.cached_tokens
+                n = -(-(len(ids) - start) // w)
+                tokens = np.zeros(n * w + 1, np.int32)
+                tokens[:len(ids) - start] = ids[start:]
+                self._admissions[slot] = _Admission(req, slot, tokens, n, self._acc(self.clock), start=start,
+                                                    length=len(ids))
 
     @staticmethod
     def _context(req: Request) -> np.ndarray:
@@ -748,24 +770,32 @@ class SlotEngine:
             if self._forming:
                 if len(self._chunk_marks) >= PREFILL_AHEAD:  # stay close to the device: late arrivals join
                     jax.block_until_ready(self._chunk_marks.popleft())
+                    self._take_messages(block=False)  # a cancellation leaves the wave now, not after its prefill
+                    if not self._admissions:
+                        break
             elif self._chunks_since_block >= self.chunks_per_block:
                 break
             a = min(self._admissions.values(), key=lambda a: a.n_chunks - a.chunk)
-            self._prefill_chunk(a)
+            with self._alone(a.req, "prefilling"):
+                self._prefill_chunk(a)
             did = True
+            if a.req.finished:  # its prefill failed: it left its slot
+                continue
             if a.chunk == a.n_chunks:
                 del self._admissions[a.slot]
                 if self._forming:
                     self._starting.append(a)
                 else:
-                    self._start(a)
+                    with self._alone(a.req, "starting"):
+                        self._start(a)
         if not self._admissions:
             # the wave starts once its prefill is done on the device: until then a request that arrives joins it
             while self._chunk_marks and self._chunk_marks[0].is_ready():
                 self._chunk_marks.popleft()
             if not self._chunk_marks:
                 for a in self._starting:
-                    self._start(a)
+                    with self._alone(a.req, "starting"):
+                        self._start(a)
                     did = True
                 self._starting.clear()
                 self._forming = False
@@ -848,7 +878,8 @@ class SlotEngine:
         if item[0] == "start":
             _, req, slot, first, anchors, retrieve = item
             first, anchors = jax.device_get((first, anchors))
-            self._started(req, slot, int(first), anchors, retrieve)
+            with self._alone(req, "starting"):
+                self._started(req, slot, int(first), anchors, retrieve)
         else:
             _, res, owners = item
             self._read_block(jax.device_get(res), owners)
