@@ -571,6 +571,21 @@ def test_concurrent_greedy_requests_equal_generate(server, client, pair, prompts
     m = _metrics(server)
     assert m['diffspec_retrievals_total{policy="diffspec"}'] > 0  # long prompts retrieved
     assert m['diffspec_mean_acceptance_length{policy="diffspec"}'] > 1.0
+    # the longest prompt again, with a new ending: its full pages come from the prefix cache (usage says so) and
+    # the answer is still generate()'s
+    again = prompts[-1][:-3] + prompts[0][:3]
+    for p in (prompts[-1], again):  # (the first puts its pages in the cache, if an earlier request's were evicted)
+        ans = client.completions.create(model="diffspec-demo", prompt=p, max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        m = m if p is again else _metrics(server)
+    page = 64  # the default --block-size
+    assert ans.usage.prompt_tokens_details.cached_tokens == (len(again) - 4) // page * page > 0
+    assert ans.choices[0].text == tok.decode(_reference(pair, again, 8, stop_token_ids=()), skip_special_tokens=True)
+    m2 = _metrics(server)
+    assert m2["diffspec_prefix_cache_hits_total"] - m["diffspec_prefix_cache_hits_total"] == \
+        ans.usage.prompt_tokens_details.cached_tokens
+    assert m2["diffspec_prefix_cache_queries_total"] - m["diffspec_prefix_cache_queries_total"] == len(again)
+    assert m2["diffspec_kv_blocks_total"] > 0 and "diffspec_preemptions_total" in m2
 
 
 def test_streaming_completion_and_chat(server, client, pair, prompts):

@@ -250,7 +250,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
                     finished = True
                     yield _sse(chunk(None, ev.finish_reason if ev.finish_reason in ("stop", "length") else None))
                     if include_usage:
-                        usage = P.Usage.of(ev.prompt_tokens, ev.completion_tokens).model_dump()
+                        usage = P.Usage.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens).model_dump()
                         yield _sse({**chunk(None, None), "choices": [], "usage": usage})
                     yield "data: [DONE]\n\n"
                     return
@@ -277,7 +277,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
         text, ev = await collect(request, req, events)
         return P.CompletionResponse(id=rid, created=created, model=model_name,
                                     choices=[P.CompletionChoice(text=text, finish_reason=ev.finish_reason)],
-                                    usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens))
+                                    usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: P.ChatCompletionRequest, request: Request):
@@ -299,7 +299,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
         return P.ChatCompletionResponse(id=rid, created=created, model=model_name,
                                         choices=[P.ChatChoice(message=P.ChatMessageOut(content=text),
                                                               finish_reason=ev.finish_reason)],
-                                        usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens))
+                                        usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
 
     return app
 
@@ -325,8 +325,17 @@ def prometheus_text(m: dict[str, Any], http_errors: dict[int, int]) -> str:
     families = [
         gauge("requests_running", "requests holding a slot (prefilling or decoding)", m["requests_running"]),
         gauge("requests_waiting", "requests waiting for a slot", m["requests_waiting"]),
-        gauge("cache_slots_used", "cache slots in use", m["slots_used"]),
-        gauge("cache_slots_total", "cache slots (max_num_seqs)", m["slots_total"]),
+        gauge("cache_slots_used", "sequences decoded together now (prefilling or decoding)", m["slots_used"]),
+        gauge("cache_slots_total", "sequences decoded together at most (max_num_seqs)", m["slots_total"]),
+        gauge("kv_blocks_used", "pages of the K/V pool held by running requests", m["kv_blocks_used"]),
+        gauge("kv_blocks_cached", "pages held by no request, kept for the prefix cache (the least recently used "
+              "evicted first)", m["kv_blocks_cached"]),
+        gauge("kv_blocks_total", "pages in the K/V pool", m["kv_blocks_total"]),
+        counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache", m["prefix_cache_queries"]),
+        counter("prefix_cache_hits", "prompt tokens served from the prefix cache (not prefilled)",
+                m["prefix_cache_hits"]),
+        counter("preemptions", "requests preempted (pages freed, recomputed later) when the pool ran short",
+                t("preemptions")),
         gauge("generation_tokens_per_second", "generated tokens per second over the last 10 s", m["tokens_per_s"]),
         gauge("mean_acceptance_length", "tokens emitted per verification (accepted drafts + 1), since start",
               m["mean_acceptance_length"] or 0.0, policy),

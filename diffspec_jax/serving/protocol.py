@@ -216,14 +216,23 @@ class ChatCompletionRequest(_SamplingRequest):
         return out
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: prompt tokens whose K/V came from the prefix cache
+    (not prefilled)."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
     @classmethod
-    def of(cls, prompt: int, completion: int) -> Usage:
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def of(cls, prompt: int, completion: int, cached: int = 0) -> Usage:
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class CompletionChoice(BaseModel):
