@@ -99,3 +99,23 @@ def test_move_rows_paged_equals_contiguous():
     paged = move_rows(KVCache(k=(pool,), v=(pool,), pages=pages, page_size=P), start, src)
     view = np.asarray(page_view(paged.k[0], pages, P))
     np.testing.assert_array_equal(view[:, :, :60], np.asarray(dense.k[0])[:, :, :60])
+
+
+@pytest.mark.parametrize("chunk", [8, 32])
+def test_paged_chunk_scores_in_groups_equal_the_whole_cache(monkeypatch, chunk):
+    """DiffSpec's chunk scores over a paged cache, its keys gathered a few page columns at a time, equal the scores
+    over the contiguous cache (chunks smaller and larger than a page)."""
+    from diffspec_jax import retrieval
+    from diffspec_jax.engine import retrieve
+
+    rng = np.random.default_rng(chunk)
+    buf = jnp.asarray(rng.standard_normal((3, 2, PAGES * P, 16)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((3, 4, 16)), jnp.float32)
+    root = jnp.asarray([100, 37, 127], jnp.int32)
+    lse = jnp.asarray(rng.standard_normal((3, 4)) + 3, jnp.float32)
+    (pool,), pages = _paged_copy(rng, [buf], [128, 128, 128])
+    monkeypatch.setattr(retrieve, "PAGED_SCORE_TOKENS", 3 * 2 * P)  # groups of two page columns
+    got = retrieve._paged_chunk_scores(q, lse, KVCache(k=(pool,), v=(pool,), pages=pages, page_size=P), pool, root,
+                                       chunk)
+    want = retrieval.head_sum_scores(q, lse, buf, root, chunk)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)

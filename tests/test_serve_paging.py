@@ -44,12 +44,13 @@ def _reference(pair, prompt_ids, n):
 
 @pytest.fixture(scope="module")
 def engine(pair):
-    """4 sequences over a pool of one max-length request + 8 pages: long loads must preempt."""
+    """4 sequences over a pool of one max-length request + 8 pages: long loads must preempt. Prefill chunks of
+    128 tokens, and of 64 for a tail of at most 64 (after a prefix hit: it reads the cached pages like a verify step)."""
     from diffspec_jax.serving.scheduler import EngineConfig, SlotEngine
 
     target, draft, _ = pair
     pages_for_one = -(-(MAX_LEN + SPEC.num_speculative_tokens + 1) // PAGE)
-    eng = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=4, max_model_len=MAX_LEN, prefill_chunk=CHUNK,
+    eng = SlotEngine(target, draft, SPEC, EngineConfig(max_num_seqs=4, max_model_len=MAX_LEN, prefill_chunk=2 * CHUNK,
                                                        block_size=PAGE, num_kv_blocks=pages_for_one + 8))
     eng.start()
     yield eng

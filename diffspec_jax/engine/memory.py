@@ -63,7 +63,7 @@ from diffspec_jax.target import default_prefill_chunk, plan_prefill
 
 #: the share of the memory left free beside the state (device limit - in use - state) that one prefill chunk's
 #: temporaries may take; the rest covers XLA's other buffers, fragmentation and the estimate's error
-PREFILL_TEMP_SHARE = 0.25
+PREFILL_TEMP_SHARE = 0.125
 #: the narrowest chunk the memory cap picks (a wider one that does not fit is narrowed down to this)
 MIN_PREFILL_CHUNK = 256
 #: the float32 key tile of the tiled reference prefill (``min(ATTENTION_TILE, capacity)``)

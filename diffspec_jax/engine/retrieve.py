@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from diffspec_jax import retrieval
+from diffspec_jax.cache import page_view
 from diffspec_jax.engine.state import DecodeState, Plan, _rows
 from diffspec_jax.models import eagle3
 from pallas_kernels import dispatch
@@ -18,9 +19,11 @@ def _select_anchors(plan: Plan, tparams, dparams, state: DecodeState) -> jax.Arr
     c = spec.context.chunk_size
     root = state.length - 1
     if spec.context.scorer == "attention":  # each shard sums its query heads; one psum gives identical scores
-        tc = state.target_cache  # a paged cache: the scoring layer's keys gathered through the page table
-        k_cache = tc.layer_view(tc.layer_keys(plan.score_layer))
-        scores = dispatch.chunk_scores(ret.score_q, ret.score_lse, k_cache, root, chunk=c)
+        tc = state.target_cache
+        if tc.paged:
+            scores = _paged_chunk_scores(ret.score_q, ret.score_lse, tc, tc.layer_keys(plan.score_layer), root, c)
+        else:
+            scores = dispatch.chunk_scores(ret.score_q, ret.score_lse, tc.layer_keys(plan.score_layer), root, chunk=c)
         if plan.tp_axis is not None:
             scores = jax.lax.psum(scores, plan.tp_axis)
         scores = scores / plan.target.num_attention_heads
@@ -35,6 +38,32 @@ def _select_anchors(plan: Plan, tparams, dparams, state: DecodeState) -> jax.Arr
     summaries = None if ret.chunk_sum is None else _gather_heads(plan, ret.chunk_sum, 2)
     return retrieval.select_chunks(scores, root, c, spec.max_chunks, spec.context.keep_sink_chunk,
                                    spec.context.redundancy_weight, summaries)
+
+
+#: positions (summed over the batch) of the scoring layer's keys a paged cache gathers at once to score chunks
+PAGED_SCORE_TOKENS = 1 << 18
+
+
+def _paged_chunk_scores(q, lse, cache, buf, root, chunk: int):
+    """Chunk scores over a paged cache: the scoring layer's keys gathered through the page table a group of page
+    columns at a time (at most :data:`PAGED_SCORE_TOKENS` positions over the batch per group: 512 MiB at
+    Llama-3.1-8B shapes), each group scored as a cache of its own. A chunk's score reads its own positions only
+    (the log-sum-exp is given), so groups of whole chunks score exactly as the whole cache does.
+    Returns float32 ``[B, ceil(capacity / chunk)]``."""
+    b, maxp = cache.pages.shape
+    p = cache.page_size
+    cols = max(1, min(maxp, (PAGED_SCORE_TOKENS // b) // p))
+    cols = -(-cols * p // chunk) * chunk // p if chunk > p else cols  # whole chunks per group
+    groups = -(-maxp // cols)
+    pages = jnp.pad(cache.pages, ((0, 0), (0, groups * cols - maxp)), constant_values=-1)
+
+    def group(g):
+        view = page_view(buf, jax.lax.dynamic_slice_in_dim(pages, g * cols, cols, axis=1), p)
+        return dispatch.chunk_scores(q, lse, view, root - g * cols * p, chunk=chunk)
+
+    scores = jax.lax.map(group, jnp.arange(groups)) if groups > 1 else group(0)[None]
+    scores = jnp.moveaxis(scores, 0, 1).reshape(b, -1)
+    return scores[:, :retrieval.num_chunks(maxp * p, chunk)]
 
 
 def _retrieve(plan: Plan, tparams, dparams, state: DecodeState, mask):

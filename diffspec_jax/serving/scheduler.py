@@ -55,6 +55,7 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
+from diffspec_jax.cache import round_capacity
 from diffspec_jax.config import SamplingConfig, SpecConfig
 from diffspec_jax.engine.compile import _CompileClock, _Program, enable_compilation_cache
 from diffspec_jax.engine import memory
@@ -64,6 +65,7 @@ from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.slots import init_slots, new_acc
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
+from diffspec_jax.models.attention import DENSE_ATTENTION_MAX_TOKENS
 from diffspec_jax.paging import OutOfPages, PageManager
 from diffspec_jax.sampling import seed_key
 from diffspec_jax.target import REFERENCE_PREFILL_CHUNK, TargetModel, check_token_ids
@@ -252,11 +254,12 @@ class _Admission:
     req: Request
     slot: int
     tokens: np.ndarray  # int32 [n_chunks * W + 1]: the context from ``start`` on, zero padded
-    n_chunks: int
+    n_chunks: int  # chunks of the full width this prompt takes (the last may run at the narrow width)
     acc: Any
-    chunk: int = 0
+    chunk: int = 0  # chunks dispatched
     start: int = 0  # the first position prefilled (the prefix before it is served from cached pages)
     length: int = 0  # the context's tokens: the prompt, and after a preemption the tokens generated before it
+    done: int = 0  # tokens from ``start`` prefilled so far
 
 
 class SlotEngine:
@@ -299,7 +302,8 @@ class SlotEngine:
         # parked slot's masked writes (slots.parked_length)
         psize = self.page_size = config.block_size
         self.k_block = k_block
-        capacity = (-(-(self.max_model_len + k_block + 1) // psize) + -(-(k_block + 1) // psize)) * psize
+        capacity = round_capacity((-(-(self.max_model_len + k_block + 1) // psize) + -(-(k_block + 1) // psize))
+                                  * psize)  # (whole attention tiles, for the tiled prefill)
         self.max_pages = capacity // psize
         # the stop ids are inputs of the device loop, not part of its programs (as in generate())
         plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()), draft=draft.config if speculative else None,
@@ -545,7 +549,8 @@ class SlotEngine:
         """Compile every program: a throw-away request through admission and decoding (each block program holds
         the greedy and the sampling branches), and a second one released while it decodes."""
         events = []
-        two_chunks = max(1, min(self.prefill_chunk + 1, self.max_model_len - 2))  # first and later chunks
+        # the first chunk, a later full one and a narrow tail (as long as max_model_len allows them)
+        two_chunks = max(1, min(2 * self.prefill_chunk + 1, self.max_model_len - 2))
         req = Request([0] * two_chunks, SamplingParams(max_tokens=2, seed=0, ignore_eos=True), events.append)
         self._waiting.append(req)
         while not req.finished:
@@ -802,17 +807,23 @@ class SlotEngine:
         return did
 
     def _prefill_chunk(self, a: _Admission) -> None:
-        w = self.prefill_chunk
-        s = a.chunk * w
+        """Dispatch the admission's next prefill chunk: the full width, or, for a tail of at most
+        :data:`~diffspec_jax.models.attention.DENSE_ATTENTION_MAX_TOKENS` tokens (what is left after a prefix-cache
+        hit, or a prompt's last few tokens), the narrow width, whose attention reads the cached prefix through the
+        page table like a verify step instead of gathering it for the flash prefill."""
+        s, left = a.done, a.length - a.start - a.done
+        w = self.prefill_chunk if left > DENSE_ATTENTION_MAX_TOKENS else min(self.prefill_chunk,
+                                                                                DENSE_ATTENTION_MAX_TOKENS)
         length = np.array([a.length], np.int32)
         # the fast attention skips a first chunk's empty prefix; the reference has nothing to skip (one program)
-        first = a.chunk == 0 and a.start == 0 and self.plan.kernels == "pallas"
+        first = s == 0 and a.start == 0 and self.plan.kernels == "pallas" and w == self.prefill_chunk
         chunk = self._progs.prefill_first if first else self._progs.prefill
         self._sync_table()
         self._state, a.acc, mark = chunk(self.clock, self.tparams, self.dparams, self._state, a.acc,
                                          np.int32(a.slot), a.tokens[None, s:s + w],
                                          a.tokens[None, s + 1:s + w + 1], np.array([a.start + s], np.int32), length)
-        a.chunk += 1
+        a.done += w
+        a.chunk = a.n_chunks if a.done >= a.length - a.start else a.chunk + 1
         self._chunks_since_block += 1
         if self._forming:
             self._chunk_marks.append(mark)
