@@ -83,11 +83,11 @@ def test_chunk_cap_is_the_widest_power_of_two_within_the_share(batch, token, roo
 
 def test_chunk_cap_examples():
     """Llama-3.1-8B shapes on an H200 at JAX's default 75% (about 9 GiB left beside 80 GiB of K/V and 15 GiB of
-    weights) and at 95% (37 GiB left): batch 8 narrows to 2048 and 8192 tokens; batch 1 with 100 GiB left keeps a
+    weights) and at 95% (37 GiB left): batch 8 narrows to 1024 and 4096 tokens; batch 1 with 100 GiB left keeps a
     64K prompt whole."""
     kib = 1024
-    assert memory.memory_chunk_cap(8, 108 * kib, 9 << 30) == 2048
-    assert memory.memory_chunk_cap(8, 108 * kib, 37 << 30) == 8192
+    assert memory.memory_chunk_cap(8, 108 * kib, 9 << 30) == 1024
+    assert memory.memory_chunk_cap(8, 108 * kib, 37 << 30) == 4096
     assert memory.memory_chunk_cap(1, 108 * kib, 100 << 30) >= 65536
 
 

@@ -4,7 +4,7 @@ One :class:`SlotEngine` owns a batch of ``max_num_seqs`` slots at a fixed cache 
 rounded as :func:`~diffspec_jax.engine.compile.capacity_bucket` rounds it) and runs in its own thread. Requests
 wait in a bounded queue; every waiting request that a free slot can take is admitted at once, and its prompt is
 prefilled into that slot in chunks of one fixed width (:mod:`diffspec_jax.engine.slots`; the admission with the
-fewest chunks left goes first), then it decodes with the others in the engine's device loop
+fewest tokens left goes first), then it decodes with the others in the engine's device loop
 (:func:`~diffspec_jax.engine.loop._block`, every slot with its own stop ids, sampling parameters, key, working
 cache and retrieval cadence). It leaves when it is done (a stop id, its token limit, a stop string, a
 cancellation, its timeout) and the slot is reused.
@@ -30,7 +30,8 @@ reports the first finished yet, so results reach the requests exactly one block 
 call that dispatches a block returns only once the block's loop has run, its exit test being read back every
 cycle, so the block before it is done. Reading a block only once ``is_ready()`` happened to say so, as an earlier
 version did, delivered some blocks a block late: on the H200, with 8 clients, p99 inter-token latency went to 2.1x
-its median.) Results reach a request
+its median.) First tokens are the exception: a request's first token, when no block before it is unread, is read
+before the next block is dispatched, so time to first token does not wait for a block. Results reach a request
 through its ``sink`` (called on the engine thread with :class:`Event` values); what happens to the text
 (detokenization, stop strings) is the request's ``output`` processor, also run on the engine thread. A failure
 while one request is admitted, prefilled, started or delivered fails that request alone (an ``error`` event, 500)
@@ -78,6 +79,10 @@ DEFAULT_MAX_MODEL_LEN = 4096
 #: prefill chunk width on GPUs (CPUs: ``REFERENCE_PREFILL_CHUNK``): long enough for an efficient prefill, short
 #: enough that a chunk interleaved between two decode blocks does not stall the running requests for long
 GPU_PREFILL_CHUNK = 2048
+#: a prompt's tail of at most this many narrow (64-token) chunks is prefilled in those rather than one full chunk:
+#: a hit in the prefix cache leaves one to two pages (the last page is reused only if the token after it matches
+#: too), and a narrow chunk reads the cached prefix through the page table, where a full one would gather it
+NARROW_TAIL_CHUNKS = 4
 #: prefill chunks in flight while a wave forms (the host waits for the oldest before it dispatches another)
 PREFILL_AHEAD = 2
 #: seconds the engine waits for a message while a wave's last chunks finish on the device
@@ -254,12 +259,17 @@ class _Admission:
     req: Request
     slot: int
     tokens: np.ndarray  # int32 [n_chunks * W + 1]: the context from ``start`` on, zero padded
-    n_chunks: int  # chunks of the full width this prompt takes (the last may run at the narrow width)
+    n_chunks: int  # chunks of the full width the context from ``start`` spans (its tail may run in narrow ones)
     acc: Any
     chunk: int = 0  # chunks dispatched
     start: int = 0  # the first position prefilled (the prefix before it is served from cached pages)
     length: int = 0  # the context's tokens: the prompt, and after a preemption the tokens generated before it
     done: int = 0  # tokens from ``start`` prefilled so far
+
+    @property
+    def left(self) -> int:
+        """Context tokens still to prefill."""
+        return self.length - self.start - self.done
 
 
 class SlotEngine:
@@ -626,6 +636,10 @@ class SlotEngine:
         did = self._prefill()
         if not self._forming and self._decoding():
             self._make_room()
+            # first tokens at the head of the queue (a wave's, or a request started while no block was unread) go
+            # out before the next block: on a GPU its dispatch holds the host until its loop has run
+            while self._pending and self._pending[0][0] == "start":
+                self._read_one()
         if not self._forming and self._decoding():
             self._dispatch_block()
             did = True
@@ -765,7 +779,7 @@ class SlotEngine:
         return min(known + ahead, len(req.prompt_ids) + req.params.max_tokens + self.k_block + 1)
 
     def _prefill(self) -> bool:
-        """Dispatch prefill chunks, the admission with the fewest chunks left first: while a wave forms, every
+        """Dispatch prefill chunks, the admission with the fewest tokens left first: while a wave forms, every
         chunk (at most :data:`PREFILL_AHEAD` in flight), and the wave's slots start together once its last chunk
         has run on the device; while slots decode, up to :attr:`chunks_per_block` since the last block, each slot
         starting after its last chunk. Returns whether anything was dispatched."""
@@ -780,13 +794,13 @@ class SlotEngine:
                         break
             elif self._chunks_since_block >= self.chunks_per_block:
                 break
-            a = min(self._admissions.values(), key=lambda a: a.n_chunks - a.chunk)
+            a = min(self._admissions.values(), key=lambda a: a.left)
             with self._alone(a.req, "prefilling"):
                 self._prefill_chunk(a)
             did = True
             if a.req.finished:  # its prefill failed: it left its slot
                 continue
-            if a.chunk == a.n_chunks:
+            if not a.left:
                 del self._admissions[a.slot]
                 if self._forming:
                     self._starting.append(a)
@@ -808,12 +822,13 @@ class SlotEngine:
 
     def _prefill_chunk(self, a: _Admission) -> None:
         """Dispatch the admission's next prefill chunk: the full width, or, for a tail of at most
-        :data:`~diffspec_jax.models.attention.DENSE_ATTENTION_MAX_TOKENS` tokens (what is left after a prefix-cache
-        hit, or a prompt's last few tokens), the narrow width, whose attention reads the cached prefix through the
-        page table like a verify step instead of gathering it for the flash prefill."""
-        s, left = a.done, a.length - a.start - a.done
-        w = self.prefill_chunk if left > DENSE_ATTENTION_MAX_TOKENS else min(self.prefill_chunk,
-                                                                                DENSE_ATTENTION_MAX_TOKENS)
+        :data:`NARROW_TAIL_CHUNKS` narrow chunks (what is left after a prefix-cache hit, or a prompt's last tokens),
+        the narrow width (:data:`~diffspec_jax.models.attention.DENSE_ATTENTION_MAX_TOKENS`), whose attention reads
+        the cached prefix through the page table like a verify step instead of gathering it for the flash
+        prefill."""
+        s, left = a.done, a.left
+        narrow = min(self.prefill_chunk, DENSE_ATTENTION_MAX_TOKENS)
+        w = narrow if left <= NARROW_TAIL_CHUNKS * narrow else self.prefill_chunk
         length = np.array([a.length], np.int32)
         # the fast attention skips a first chunk's empty prefix; the reference has nothing to skip (one program)
         first = s == 0 and a.start == 0 and self.plan.kernels == "pallas" and w == self.prefill_chunk
@@ -822,8 +837,7 @@ class SlotEngine:
         self._state, a.acc, mark = chunk(self.clock, self.tparams, self.dparams, self._state, a.acc,
                                          np.int32(a.slot), a.tokens[None, s:s + w],
                                          a.tokens[None, s + 1:s + w + 1], np.array([a.start + s], np.int32), length)
-        a.done += w
-        a.chunk = a.n_chunks if a.done >= a.length - a.start else a.chunk + 1
+        a.done, a.chunk = min(a.done + w, a.length - a.start), a.chunk + 1
         self._chunks_since_block += 1
         if self._forming:
             self._chunk_marks.append(mark)
