@@ -1,10 +1,11 @@
 """The slot engine: continuous batching over a static number of request slots, speculative decoding included.
 
-One :class:`SlotEngine` owns a batch of ``max_num_seqs`` slots at a fixed cache capacity (``max_model_len``
-rounded as :func:`~diffspec_jax.engine.compile.capacity_bucket` rounds it) and runs in its own thread. Requests
-wait in a bounded queue; every waiting request that a free slot can take is admitted at once, and its prompt is
-prefilled into that slot in chunks of one fixed width (:mod:`diffspec_jax.engine.slots`; the admission with the
-fewest tokens left goes first), then it decodes with the others in the engine's device loop
+One :class:`SlotEngine` owns a batch of ``max_num_seqs`` slots whose K/V live in one pool of pages (a slot holds
+the pages its request needs, through its page table; :mod:`diffspec_jax.paging` keeps the books, the prefix cache
+and preemption) and runs in its own thread. Requests wait in a bounded queue; every waiting request that a free
+slot and the pool can take is admitted at once, the full pages of its prompt that the prefix cache holds are
+reused, and the rest is prefilled into that slot in chunks of one fixed width, a short tail in narrow ones
+(:mod:`diffspec_jax.engine.slots`; the admission with the fewest tokens left goes first), then it decodes with the others in the engine's device loop
 (:func:`~diffspec_jax.engine.loop._block`, every slot with its own stop ids, sampling parameters, key, working
 cache and retrieval cadence). It leaves when it is done (a stop id, its token limit, a stop string, a
 cancellation, its timeout) and the slot is reused.
