@@ -96,10 +96,20 @@ def test_generation_defaults_bad_values_are_named(model_dir):
 
 
 # -------------------------------------------------------------------------------------------- stop strings
-def reference_cut(text: str, stops) -> tuple[str, bool]:
-    """The text cut before the earliest occurrence of any stop string, by brute force."""
-    starts = [i for i in range(len(text)) if any(text.startswith(s, i) for s in stops)]
-    return (text[:starts[0]], True) if starts else (text, False)
+def reference_cut(text: str, stops, pieces=None) -> tuple[str, bool]:
+    """The text cut before the earliest occurrence of any stop string, by brute force. Fed in ``pieces`` (as
+    generation streams it), the text ends at the first piece that completes a stop string: nothing after it is ever
+    generated, so a longer stop string that would have begun earlier but ends later never completes; the cut is at
+    the earliest occurrence within the text up to that piece."""
+    ends = [len(text)]
+    if pieces is not None:
+        ends = [sum(map(len, pieces[:i + 1])) for i in range(len(pieces))]
+    for end in ends:
+        seen = text[:end]
+        starts = [i for i in range(len(seen)) if any(seen.startswith(s, i) for s in stops)]
+        if starts:
+            return seen[:starts[0]], True
+    return text, False
 
 
 def pieces_of(text: str, cuts: list[int]) -> list[str]:
@@ -127,7 +137,7 @@ def test_stop_strings_cut_exactly_and_hold_back_only_possible_starts(text, stops
         assert not held or any(stop.startswith(held) and stop != held for stop in stops)
     if not matched:
         out += s.flush()
-    want, hit = reference_cut(text, stops)
+    want, hit = reference_cut(text, stops, pieces_of(text, cuts))
     assert (out, matched) == (want, hit)
 
 
