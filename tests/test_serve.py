@@ -268,6 +268,7 @@ def test_engine_fails_a_request_alone_and_stops_the_server_when_the_device_fails
         blocks, abort = [], engine._abort
         engine._abort = lambda rid: (blocks.append(engine.counters["blocks"]), abort(rid))
         long = Request(prompts[1], SamplingParams(max_tokens=400, ignore_eos=True), lambda e: None)
+        deadline = time.monotonic() + 120  # (each phase its own: the first one compiles generate()'s reference)
         engine.submit(long)
         while len(long.tokens) < 20 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -278,6 +279,7 @@ def test_engine_fails_a_request_alone_and_stops_the_server_when_the_device_fails
         assert long.finish_reason == "abort" and blocks[1] - blocks[0] <= 1
         # ... or while a wave prefills, after the chunks in flight (not after the prompt's 7 chunks)
         cancelled = Request(prompts[7], params, lambda e: None, request_id="cancelled")
+        deadline = time.monotonic() + 120
         engine.submit(cancelled)
         while not cancelled.finished and time.monotonic() < deadline:
             time.sleep(0.01)

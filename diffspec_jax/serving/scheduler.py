@@ -764,8 +764,8 @@ class SlotEngine:
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s slot and pages and put it back at the front of the queue: it is admitted again later and
         recomputes its prompt and the tokens it generated (which it keeps: nothing is delivered twice)."""
-        self._leave(req, release=True)  # its completed pages stay cached: its own re-admission may reuse them
-        req.finished, req.slot, req.phase = False, None, None
+        self._leave(req, release=True, finished=False)  # its completed pages stay cached for its re-admission
+        req.slot, req.phase = None, None
         req.preemptions += 1
         self._waiting.appendleft(req)
         with self._lock:
@@ -981,10 +981,17 @@ class SlotEngine:
                        "internal_error")
 
     # leaving ----------------------------------------------------------------------------------------------
-    def _leave(self, req: Request, release: bool) -> None:
+    def _leave(self, req: Request, release: bool, finished: bool = True) -> None:
         """Take ``req`` out of the queue or its slot (``release``: mark the slot done on the device), and give back
-        its pages: those it completed stay in the prefix cache until evicted."""
-        req.finished = True
+        its pages: those it completed stay in the prefix cache until evicted. ``req.finished`` is set last (a
+        thread that waits for it then sees the slot, the pages and the finish reason settled); a preemption leaves
+        it ``False``."""
+        try:
+            self._take_out(req, release)
+        finally:
+            req.finished = finished
+
+    def _take_out(self, req: Request, release: bool) -> None:
         if req.slot is None:
             if req in self._waiting:
                 self._waiting.remove(req)
@@ -1013,8 +1020,8 @@ class SlotEngine:
     def _finish(self, req: Request, reason: str, release: bool) -> None:
         if req.finished:
             return
-        self._leave(req, release)
         req.finish_reason = reason
+        self._leave(req, release)
         self._bump(f"finished_{reason}")
         try:
             tail = req.output.finish()[0] if req.output is not None and reason != "abort" else None
@@ -1028,8 +1035,8 @@ class SlotEngine:
     def _fail(self, req: Request, status: int, message: str, error_type: str) -> None:
         if req.finished:
             return
-        self._leave(req, release=True)
         req.finish_reason = "error"
+        self._leave(req, release=True)
         self._bump("failed", 1)
         try:
             req.sink(Event("error", status=status, message=message, error_type=error_type,
