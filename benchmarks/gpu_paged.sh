@@ -3,14 +3,18 @@
 # (benchmarks/paged_steps.py), then the server's shared-document and capacity workloads (benchmarks/serve_load.py),
 # within SECONDS. Usage on a GPU machine, from the repository root:
 #   bash benchmarks/gpu_paged.sh OUT_DIR SECONDS [STAGES]
-# STAGES: comma-separated of steps, shared, capacity (default all three, in that order). Each stage gets a share of
-# the seconds still left (steps 45, shared 25, capacity 40, over the stages still to run) and is stopped past it
+# STAGES: comma-separated of steps, shared, capacity, pressure (default the first three, in that order). Each stage
+# gets a share of the seconds still left (steps 45, shared 25, capacity 40, pressure 25, over the stages still to
+# run) and is stopped past it
 # (its scripts start no run past their budget and kill a server past it; JSON is rewritten after every cell / run).
 # Files (8 at most, none deeper than OUT_DIR/x/): OUT_DIR/gpu.txt, OUT_DIR/log.txt,
-#   OUT_DIR/paged_steps.{json,png}, OUT_DIR/shared/serve_load.{json,png}, OUT_DIR/capacity/serve_load.{json,png}
+#   OUT_DIR/paged_steps.{json,png}, OUT_DIR/shared/serve_load.{json,png}, OUT_DIR/capacity/serve_load.{json,png},
+#   OUT_DIR/pressure/serve_load.{json,png} (a pool far smaller than its load: preemptions, answers against
+#   generate() alone)
 # On one H200 all three take about 12 minutes (steps ~4, shared ~3, capacity ~5): more than one device call may
 # run (10 minutes), so split them, e.g.  STAGES=steps,shared in one call (SECONDS 570) and capacity in the next.
-# Extra arguments for a stage: PAGED_STEPS_ARGS, SHARED_ARGS, CAPACITY_ARGS (appended to its command line).
+# Extra arguments for a stage: PAGED_STEPS_ARGS, SHARED_ARGS, CAPACITY_ARGS, PRESSURE_ARGS (appended to its command
+# line; e.g. SHARED_ARGS="--shared-policies diffspec,self-diffspec --baseline-requests 0").
 set -u -o pipefail
 OUT=${1:?OUT_DIR}
 BUDGET=${2:?SECONDS}
@@ -24,10 +28,10 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv > "$OUT/gpu.txt" 2>&1 || true
 echo "git commit: ${DIFFSPEC_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" >> "$OUT/gpu.txt"
 
-declare -A WEIGHT=([steps]=45 [shared]=25 [capacity]=40)
+declare -A WEIGHT=([steps]=45 [shared]=25 [capacity]=40 [pressure]=25)
 IFS=, read -r -a TODO <<< "$STAGES"
 for stage in "${TODO[@]}"; do
-  [[ -n ${WEIGHT[$stage]:-} ]] || { echo "unknown stage $stage (steps, shared, capacity)" | tee -a "$LOG"; exit 2; }
+  [[ -n ${WEIGHT[$stage]:-} ]] || { echo "unknown stage $stage (steps, shared, capacity, pressure)" | tee -a "$LOG"; exit 2; }
 done
 
 run_stage() {  # NAME SECONDS COMMAND...: the command under a hard limit of SECONDS + 30, its output in the log
@@ -67,6 +71,10 @@ for i in "${!TODO[@]}"; do
         --capacity-prompt-lens 2048,4096,8192,16384,32768,65536 --capacity-new-tokens 256 \
         --capacity-max-model-len 65536 --capacity-seqs 64 --time-budget-s "$secs" \
         --out "$OUT/capacity" ${CAPACITY_ARGS:-} ;;
+    pressure)
+      # shellcheck disable=SC2086
+      run_stage pressure "$secs" python3 benchmarks/serve_load.py --workloads pressure --time-budget-s "$secs" \
+        --out "$OUT/pressure" ${PRESSURE_ARGS:-} ;;
   esac
 done
 echo "total $(( $(date +%s) - start )) s" | tee -a "$LOG"

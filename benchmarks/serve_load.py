@@ -48,7 +48,8 @@ servers of its own, without the offline baseline (benchmarks/README.md lists eve
   preemptions. :func:`run_capacity`, :func:`compare_capacity`.
 
 The child serves two routes of its own beside the OpenAI ones: ``/bench/engine`` (``SlotEngine.metrics()``) and
-``/bench/cached`` (a finished request's ``cached_tokens``, for servers whose usage does not report it).
+``/bench/cached`` (a finished request's ``cached_tokens``, for servers whose usage does not report it, its
+preemptions and its timeline in the engine: admitted, prefilled, started, first token).
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-POLICIES = ("target-only", "recent", "diffspec")
-WORKLOADS = ("load", "shared-doc", "capacity")
+#: ``self-*``: the target drafts for itself (``--draft self``) over the named working set
+POLICIES = ("target-only", "recent", "diffspec", "self-recent", "self-diffspec")
+SELF_PREFIX = "self-"
+WORKLOADS = ("load", "shared-doc", "capacity", "pressure")
 #: issue 24's targets (8 concurrent clients on the H200)
 TARGET_THROUGHPUT_RATIO, TARGET_ITL_P99_OVER_P50 = 0.9, 2.0
 CHILD_PREFIX = "SERVE_LOAD "
@@ -260,12 +263,19 @@ def paging_counts(before: dict | None, after: dict | None) -> dict | None:
             "prefix_caching": after.get("prefix_caching")}
 
 
-def run_load(url: str, prompts, args, ids_text: bool) -> dict:
+def run_load(url: str, prompts, args, ids_text: bool, keep_answers: bool = False) -> dict:
+    """The load of ``prompts`` against ``url``: :func:`summarize`'s figures, metrics, paging counts, and with
+    ``keep_answers`` each request's answer (its ids, ids-as-text tokenizer) in ``answers``."""
     before, engine_before = scrape(url), engine_snapshot(url)
     t = time.perf_counter()
     results = asyncio.run(_load(url, prompts, args))
     wall = time.perf_counter() - t
     after, engine_after = scrape(url), engine_snapshot(url)
+    if engine_after is not None:  # the pool once the engine is idle (its last request may still be leaving)
+        deadline = time.monotonic() + 30
+        while engine_after.get("requests_running") and time.monotonic() < deadline:
+            time.sleep(0.2)
+            engine_after = engine_snapshot(url)
     keys = ("diffspec_compiles_after_warmup", "diffspec_xla_compiles_after_warmup", "diffspec_program_compiles_total")
     out = summarize(results, ids_text)
     out["wall_s"] = wall
@@ -278,6 +288,8 @@ def run_load(url: str, prompts, args, ids_text: bool) -> dict:
         out["metrics"][key] = after.get(f"diffspec_{key}", 0.0) - before.get(f"diffspec_{key}", 0.0)
     out["metrics"]["gc_pause_seconds_max"] = after.get("diffspec_gc_pause_seconds_max")
     out["paging"] = paging_counts(engine_before, engine_after)
+    if keep_answers:
+        out["answers"] = [None if r.get("error") else text_ids("".join(t for _, t in r["chunks"])) for r in results]
     return out
 
 
@@ -315,6 +327,7 @@ def _models(args):
 def _spec(policy: str, args):
     from diffspec_jax.config import SpecConfig
 
+    policy = policy.removeprefix(SELF_PREFIX)
     return SpecConfig.from_flat(dict(num_speculative_tokens=args.k,
                                      draft_context_policy="full" if policy == "target-only" else policy,
                                      diffspec_token_budget=args.budget, diffspec_chunk_size=args.chunk))
@@ -357,6 +370,17 @@ def offline(target, draft, prompts, args) -> dict:
             "output_tokens_per_s": tokens / busy if busy > 0 else None, "batches": rows}
 
 
+def reference_alone(target, draft, prompts, args) -> dict:
+    """``generate()`` on each prompt alone (greedy, ``--new-tokens``, no stop ids): ``{"tokens": [...],
+    "wall_s"}``, what every completed server request must return."""
+    from diffspec_jax import generate
+
+    t = time.perf_counter()
+    tokens = [generate(target, draft, [p], max_new_tokens=args.new_tokens, spec=_spec(args.policy, args),
+                       stop_token_ids=()).tokens[0] for p in prompts]
+    return {"tokens": [list(map(int, x)) for x in tokens], "wall_s": time.perf_counter() - t}
+
+
 def engine_config(args, max_model_len: int):
     """The child's :class:`EngineConfig`: ``--max-num-seqs`` slots (default ``--clients``), the page pool's
     options (``--block-size``, ``--num-kv-blocks``, ``--kv-cache-memory-fraction``, ``--no-prefix-caching``)."""
@@ -372,8 +396,9 @@ def engine_config(args, max_model_len: int):
 
 def _bench_routes(app, engine) -> None:
     """Two routes for this script's load generator (a server it started, nothing a user runs): ``/bench/engine``,
-    the engine's metrics as JSON, and ``/bench/cached?key=K``, the ``cached_tokens`` of the finished request whose
-    :func:`prompt_key` is ``K`` (recorded from its finish event; 404 while there is none)."""
+    the engine's metrics as JSON, and ``/bench/cached?key=K``, the ``cached_tokens``, preemptions and timeline
+    (``since_arrival_s``) of the finished request whose :func:`prompt_key` is ``K`` (recorded from its finish
+    event; 404 while there is none)."""
     from fastapi.responses import JSONResponse
 
     cached: dict[str, int] = {}
@@ -384,7 +409,9 @@ def _bench_routes(app, engine) -> None:
 
         def sink_and_record(ev):
             if ev.kind == "finish":
-                cached[key] = int(ev.cached_tokens)
+                marks = {**req.marks, "first_token": req.first_token_at}
+                cached[key] = {"cached_tokens": int(ev.cached_tokens), "preemptions": req.preemptions,
+                               "since_arrival_s": {k: v - req.arrival for k, v in marks.items() if v is not None}}
             sink(ev)
 
         req.sink = sink_and_record
@@ -400,7 +427,7 @@ def _bench_routes(app, engine) -> None:
     async def bench_cached(key: str):
         if key not in cached:
             return JSONResponse({"error": "no finished request with this prompt"}, status_code=404)
-        return {"cached_tokens": cached[key]}
+        return cached[key]
 
 
 def child(args) -> int:
@@ -416,7 +443,12 @@ def child(args) -> int:
     target, draft = _models(args)
     if args.policy == "target-only":
         draft = None
+    elif args.policy.startswith(SELF_PREFIX):
+        draft = "self"
     prompts = make_requests(args, target.config.vocab_size)
+    if args.reference_alone:
+        print(CHILD_PREFIX + json.dumps({"reference": reference_alone(target, draft, prompts, args)}), flush=True)
+        gc.collect()
     if not args.no_offline:
         print(CHILD_PREFIX + json.dumps({"offline": offline(target, draft, prompts, args)}), flush=True)
         gc.collect()
@@ -618,10 +650,12 @@ def _shared_body(args, clients: int):
 
             async def send(prompt):
                 rec = _turn(await _stream(client, url, headers, prompt, args.shared_new_tokens, args, t0))
-                if "ttft_s" in rec and rec["cached_tokens"] is None:  # the usage does not say: ask the child
+                if "ttft_s" in rec:  # the engine's record: its timeline, and cached tokens if the usage lacks them
                     r = await client.get(f"{url}/bench/cached", params={"key": prompt_key(prompt)})
                     if r.status_code == 200:
-                        rec["cached_tokens"], rec["cached_source"] = r.json()["cached_tokens"], "engine"
+                        rec["engine_marks_s"] = r.json()["since_arrival_s"]
+                        if rec["cached_tokens"] is None:
+                            rec["cached_tokens"], rec["cached_source"] = r.json()["cached_tokens"], "engine"
                 return rec
 
             for doc_len in [int(x) for x in args.doc_lens.split(",")]:
@@ -753,6 +787,55 @@ def compare_capacity(runs: list[dict]) -> dict | None:
     return out
 
 
+# ------------------------------------------------------------------------------------------ memory pressure
+def run_pressure(args, limit_s: float | None) -> dict:
+    """A load made to exhaust the page pool: ``--pressure-requests`` prompts (``--pressure-prompt-lens``) sent at
+    once to ``--pressure-seqs`` sequences over a pool of ``--pressure-pool-tokens``, greedy. The child first runs
+    ``generate()`` on each prompt alone (:func:`reference_alone`); every server answer must equal it, the server
+    must preempt, and once idle no page may be in use."""
+    load = argparse.Namespace(**{**vars(args), "clients": args.pressure_requests, "requests": args.pressure_requests,
+                                 "prompt_lens": args.pressure_prompt_lens, "rate": 0.0,
+                                 "new_tokens": args.pressure_new_tokens,
+                                 "num_kv_blocks": -(-args.pressure_pool_tokens // args.block_size)})
+    longest = max(int(x) for x in args.pressure_prompt_lens.split(","))
+    extra = ["--no-offline", "--reference-alone", "--max-num-seqs", str(args.pressure_seqs), "--max-model-len",
+             str(longest + args.pressure_new_tokens)]
+
+    def body(url, out):
+        from benchmarks.long_context import shapes
+
+        out["server"] = run_load(url, make_requests(load, shapes(args.quick)[0].vocab_size), load, ids_text=True,
+                                 keep_answers=True)
+
+    out = serve(args.pressure_policy, load, extra, limit_s, body)
+    out.update(workload="pressure", max_num_seqs=args.pressure_seqs, pool_tokens=args.pressure_pool_tokens)
+    out["check"] = pressure_check(out)
+    if out.get("server"):
+        out["server"].pop("answers", None)  # (ids: the check keeps what matters)
+    return out
+
+
+def pressure_check(run: dict) -> dict | None:
+    """Every answer against ``generate()`` alone: ``completed``, ``equal`` (requests), the first differing token
+    of each that differs, preemptions, pages in use once idle; ``ok``: all completed and equal, preempted at least
+    once, no page in use."""
+    srv, ref = run.get("server"), (run.get("reference") or {}).get("tokens")
+    if not srv or ref is None or "answers" not in srv:
+        return None
+    answers = srv["answers"]
+    differ = {}
+    for i, (a, r) in enumerate(zip(answers, ref)):
+        if a is not None and a != r:
+            differ[i] = next((j for j, (x, y) in enumerate(zip(a, r)) if x != y), min(len(a), len(r)))
+    paging = srv.get("paging") or {}
+    out = {"requests": len(answers), "completed": sum(a is not None for a in answers),
+           "equal": sum(a is not None and a == r for a, r in zip(answers, ref)), "first_difference": differ,
+           "preemptions": paging.get("preemptions"), "kv_blocks_used_idle": paging.get("kv_blocks_used_after")}
+    out["ok"] = (out["completed"] == out["equal"] == len(answers) and bool(out["preemptions"])
+                 and out["kv_blocks_used_idle"] == 0)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ report
 def _plot_load(runs, payload, a, b) -> None:
     names = [r["policy"] for r in runs]
@@ -815,6 +898,20 @@ def _plot_capacity(runs, a, b) -> None:
     b.legend(fontsize=8)
 
 
+def _plot_pressure(runs, a, b) -> None:
+    r = runs[0]
+    s, check = r["server"], r.get("check") or {}
+    series = s["decoding_at_once"]["series"]
+    if series:
+        a.step([p[0] for p in series], [p[1] for p in series], where="post")
+    a.set(title=f"pressure: decoding at once ({r['pool_tokens']}-token pool, {check.get('preemptions')} preemptions)",
+          xlabel="s since the load started", ylabel="requests")
+    names = ("requests", "completed", "equal")
+    b.bar(names, [check.get(n) or 0 for n in names])
+    b.set(title=f"pressure: answers equal to generate() alone (pages in use once idle: "
+                f"{check.get('kv_blocks_used_idle')})", ylabel="requests")
+
+
 def plot(payload: dict, path: Path) -> str | None:
     try:
         import matplotlib
@@ -830,7 +927,7 @@ def plot(payload: dict, path: Path) -> str | None:
         return None
     fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4.2 * len(groups)), squeeze=False)
     draw = {"load": lambda runs, a, b: _plot_load(runs, payload, a, b), "shared-doc": _plot_shared,
-            "capacity": _plot_capacity}
+            "capacity": _plot_capacity, "pressure": _plot_pressure}
     for (name, runs), (a, b) in zip(groups, axes):
         draw[name](runs, a, b)
     s = payload["settings"]
@@ -839,7 +936,9 @@ def plot(payload: dict, path: Path) -> str | None:
             "shared-doc": f"shared-doc: documents {s['doc_lens']}, {s['shared_requests']} clients, "
                           f"{s['shared_new_tokens']} new tokens",
             "capacity": f"capacity: {s['capacity_requests']} requests at once, prompts {s['capacity_prompt_lens']}, "
-                        f"{s['capacity_new_tokens']} new tokens"}
+                        f"{s['capacity_new_tokens']} new tokens",
+            "pressure": f"pressure: {s['pressure_requests']} requests at once, prompts {s['pressure_prompt_lens']}, "
+                        f"{s['pressure_new_tokens']} new tokens"}
     fig.suptitle("; ".join(what[name] for name, _ in groups) + (" (random weights)" if not s.get("url") else ""),
                  fontsize=9)
     from benchmarks.common import save_figure
@@ -878,14 +977,13 @@ def parser() -> argparse.ArgumentParser:
     shared.add_argument("--doc-lens", default="32768,65536", help="the shared documents' lengths (tokens)")
     shared.add_argument("--shared-requests", type=int, default=16, help="clients, one question each")
     shared.add_argument("--shared-policies", default="diffspec",
-                        help=f"of {POLICIES}, each served with prefix caching on and off (the server cannot "
-                             f"self-draft: --draft self is generate()'s only)")
+                        help=f"of {POLICIES}, each served with prefix caching on and off")
     shared.add_argument("--question-len", type=int, default=64, help="tokens of each client's question")
     shared.add_argument("--followup-len", type=int, default=64, help="tokens of each client's follow-up message")
     shared.add_argument("--shared-new-tokens", type=int, default=64, help="tokens per answer")
     shared.add_argument("--baseline-requests", type=int, default=4,
                         help="clients of the prefix-caching-off server (each of its requests prefills the whole "
-                             "document)")
+                             "document; 0: no such server)")
     cap = ap.add_argument_group("workload capacity")
     cap.add_argument("--capacity-requests", type=int, default=48, help="requests, all sent at once")
     cap.add_argument("--capacity-prompt-lens", default="2048,4096,8192,16384,32768,65536",
@@ -895,6 +993,15 @@ def parser() -> argparse.ArgumentParser:
                      help="max_model_len of both servers; the fixed-slots run gets pool tokens // this many slots")
     cap.add_argument("--capacity-seqs", type=int, default=64, help="sequences the paged server decodes together")
     cap.add_argument("--capacity-policy", default="diffspec", help=f"of {POLICIES}")
+    pres = ap.add_argument_group("workload pressure")
+    pres.add_argument("--pressure-requests", type=int, default=12, help="requests, all sent at once")
+    pres.add_argument("--pressure-prompt-lens", default="4096,8192,16384",
+                      help="prompt lengths (tokens), cycled in a shuffled order")
+    pres.add_argument("--pressure-new-tokens", type=int, default=256)
+    pres.add_argument("--pressure-seqs", type=int, default=12, help="sequences the server decodes together")
+    pres.add_argument("--pressure-pool-tokens", type=int, default=49152,
+                      help="the page pool (tokens): far less than the load needs")
+    pres.add_argument("--pressure-policy", default="diffspec", help=f"of {POLICIES}")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per request (server and client)")
     ap.add_argument("--policy-timeout-s", type=float, default=0.0,
                     help="kill a run's child server after this many seconds (0: no limit)")
@@ -913,6 +1020,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-model-len", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-prefix-caching", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-offline", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--reference-alone", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
@@ -921,7 +1029,9 @@ QUICK = (("clients", 4), ("requests", 8), ("prompt_lens", "64,256,512"), ("new_t
          ("chunk", 16), ("prefill_chunk", 32), ("block_size", 16), ("doc_lens", "128,256"), ("shared_requests", 4),
          ("question_len", 8), ("followup_len", 8), ("shared_new_tokens", 8), ("baseline_requests", 2),
          ("capacity_requests", 8), ("capacity_prompt_lens", "32,64,128,256,448"), ("capacity_new_tokens", 16),
-         ("capacity_max_model_len", 512), ("capacity_seqs", 8))
+         ("capacity_max_model_len", 512), ("capacity_seqs", 8), ("pressure_requests", 6),
+         ("pressure_prompt_lens", "64,128,256"), ("pressure_new_tokens", 48), ("pressure_seqs", 6),
+         ("pressure_pool_tokens", 480))
 #: --quick's pool for the capacity workload (a CPU reports no memory to size it by): 2.5 requests of 512 tokens, so
 #: the fixed-slots run gets 2 sequences
 QUICK_CAPACITY_BLOCKS = 80
@@ -933,7 +1043,8 @@ def _jobs(args, ap) -> list[tuple[str, object]]:
     for w in workloads:
         if w not in WORKLOADS:
             ap.error(f"--workloads takes names of {WORKLOADS}, got {w!r}")
-    names = {"load": args.policies, "shared-doc": args.shared_policies, "capacity": args.capacity_policy}
+    names = {"load": args.policies, "shared-doc": args.shared_policies, "capacity": args.capacity_policy,
+             "pressure": args.pressure_policy}
     for w in workloads:
         for policy in names[w].split(","):
             if policy not in POLICIES:
@@ -944,9 +1055,12 @@ def _jobs(args, ap) -> list[tuple[str, object]]:
             jobs += [(f"load {p}", lambda limit, runs, p=p: run_policy(p, args, limit))
                      for p in args.policies.split(",")]
         elif w == "shared-doc":
+            caching = (True, False) if args.baseline_requests else (True,)
             jobs += [(f"shared-doc {p} caching {'on' if c else 'off'}",
                       lambda limit, runs, p=p, c=c: run_shared(p, c, args, limit))
-                     for p in args.shared_policies.split(",") for c in (True, False)]
+                     for p in args.shared_policies.split(",") for c in caching]
+        elif w == "pressure":
+            jobs.append(("pressure", lambda limit, runs: run_pressure(args, limit)))
         else:
             def fixed(limit, runs):
                 paged = next((r for r in runs if r.get("workload") == "capacity" and r.get("kind") == "paged"), {})
@@ -1008,6 +1122,8 @@ def main(argv=None) -> int:
             payload["runs"].append(job(limit, payload["runs"]))
             payload["shared_doc"] = compare_shared(payload["runs"]) or None
             payload["capacity"] = compare_capacity(payload["runs"])
+            payload["pressure"] = next((r.get("check") for r in payload["runs"] if r.get("workload") == "pressure"),
+                                       None)
             write_json(result, payload)
     write_json(result, payload)
     png = plot(payload, figure)

@@ -4,6 +4,7 @@ Examples::
 
     python -m diffspec_jax.serve                                      # the embedded demo pair on 127.0.0.1:8000
     python -m diffspec_jax.serve --target T --draft D --max-num-seqs 8 --max-model-len 65536 --policy diffspec
+    python -m diffspec_jax.serve --target T --draft self                # the target drafts for itself
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "def main():", "max_tokens": 32, "temperature": 0}'
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import sys
 
 from diffspec_jax.draft import load_draft
+from diffspec_jax.engine.self_draft import SELF
 from diffspec_jax.errors import ConfigError, DiffspecError
 from diffspec_jax.generate import (_tokenizer, add_model_arguments, add_spec_arguments, model_dirs, resolve_dtype_arg,
                                    spec_from_args)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_int(args.port, "--port", min=0, max=65535)
-        target_dir, draft_dir, embedded = model_dirs(args)
+        target_dir, draft_dir, embedded = model_dirs(args, self_draft_ok=True)
         spec = spec_from_args(args)
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                               prefill_chunk=args.prefill_chunk, block_cycles=args.block_cycles,
@@ -108,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{target_dir} has no tokenizer (tokenizer.json / tokenizer_config.json): the server "
                               f"needs one for prompts and text")
         target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype), verify=not args.no_verify)
-        draft = load_draft(draft_dir, target, verify=not args.no_verify) if draft_dir is not None else None
+        draft = (SELF if args.draft == SELF and not args.no_draft
+                 else load_draft(draft_dir, target, verify=not args.no_verify) if draft_dir is not None else None)
         engine = SlotEngine(target, draft, spec, config)
         name = args.served_model_name or ("diffspec-demo" if embedded else target_dir.resolve().name)
         app = create_app(engine, tok, model_name=name, api_key=args.api_key, chat_template=template,

@@ -134,16 +134,19 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     first = s * tiles_per_split * block
     n_tiles = jnp.clip((length - first + block - 1) // block, 0, tiles_per_split)
 
-    def where(pos, visible):                              # (sequence, row) of positions in the K/V buffers
+    def where(pos, visible, start):                       # (sequence, row) of positions in the K/V buffers
         if not page_size:
             return b, pos
+        if start is not None and page_size % block == 0:  # a block-aligned tile lies in one page: one scalar
+            page = pt_ref[b, jnp.clip(start // page_size, 0, pt_ref.shape[1] - 1)]  # load, contiguous rows
+            return 0, page * page_size + start % page_size + jnp.arange(block)
         col = jnp.clip(pos // page_size, 0, pt_ref.shape[1] - 1)
         page = plgpu.load(pt_ref.at[b, col], mask=visible, other=0)
         return 0, page * page_size + pos % page_size    # the pool's one "sequence", through the page table
 
-    def tile(carry, pos, visible, seen):
+    def tile(carry, pos, visible, seen, start=None):
         mask = cols_in(visible[:, None])                  # rows not visible are never read
-        sb, row = where(pos, visible)
+        sb, row = where(pos, visible, start)
         k = plgpu.load(k_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
         v = plgpu.load(v_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
         return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision)
@@ -151,7 +154,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     def body(i, carry):                                   # the committed prefix: rows < length
         pos = first + i * block + jnp.arange(block)
         visible = pos < length
-        return tile(carry, pos, visible, visible[None, :])
+        return tile(carry, pos, visible, visible[None, :], start=first + i * block)
 
     init = (jnp.zeros((rows, cols), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))

@@ -152,3 +152,37 @@ def test_random_schedules_keep_outputs_and_pages(pair, engine, schedule):
             assert r.finish_reason == "length" and r.tokens == want
     _idle_pages_ok(engine)
     assert engine.metrics()["compiles_after_warmup"] == 0
+
+
+def test_self_draft_server_reuses_prefixes_and_preempts(pair):
+    """``draft="self"`` in the server (the target drafts over its working set, rebuilt from the pages for every
+    request): a shared document is reused in whole pages, a pool too small for the load preempts, and every output
+    equals the target alone (greedy)."""
+    import diffspec_jax as dj
+    from diffspec_jax.serving.scheduler import EngineConfig, Request, SamplingParams, SlotEngine
+
+    target, _, ids = pair
+    max_len = 256
+    spec = SpecConfig.from_flat(dict(num_speculative_tokens=4, draft_context_policy="recent",
+                                     diffspec_token_budget=128, diffspec_chunk_size=16))  # (no retrieval rebuilds)
+    eng = SlotEngine(target, "self", spec, EngineConfig(max_num_seqs=3, max_model_len=max_len, prefill_chunk=CHUNK,
+                                                        block_size=PAGE, num_kv_blocks=-(-max_len // PAGE) + 4))
+    assert eng.policy == "self-recent" and eng.prefix_caching
+    eng.start()
+    try:
+        doc = ids[:150]
+        first = Request(doc + ids[200:206], SamplingParams(max_tokens=40, ignore_eos=True), lambda e: None)
+        _run(eng, [first])
+        reqs = [Request(doc + ids[210 + 7 * i:217 + 7 * i], SamplingParams(max_tokens=40 + 20 * i, ignore_eos=True),
+                        lambda e: None) for i in range(3)]
+        _run(eng, reqs)
+        assert [r.cached_tokens for r in reqs].count((150 // PAGE) * PAGE) >= 1
+        assert eng.metrics()["total_preemptions"] > 0 and eng.metrics()["compiles_after_warmup"] == 0
+        for r in [first] + reqs:
+            want = dj.generate(target, None, [r.prompt_ids], max_new_tokens=r.params.max_tokens, prefill_chunk=CHUNK,
+                               stop_token_ids=()).tokens[0]
+            assert r.finish_reason == "length" and r.tokens == want
+            assert r.accepted >= r.params.max_tokens // 2  # drafts over its own working set (not a stale slot's)
+        _idle_pages_ok(eng)
+    finally:
+        eng.stop()

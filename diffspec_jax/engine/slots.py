@@ -6,7 +6,7 @@ of ``(plan, ..., state, ..., slot)`` with a traced ``slot`` index, so one compil
 every prompt length up to the capacity:
 
 * :func:`slot_reset`: clear the slot's per-sequence state that is not indexed by position (lengths, pending draft
-  entries, retrieval state, the recurrent states of hybrid targets) and set its sampling parameters and key. KV
+  entries, retrieval state, the recurrent states of hybrid targets, a self-draft's working set) and set its sampling parameters and key. KV
   rows are never cleared: rows beyond a committed length are masked and overwritten (as in ``generate()``).
 * :func:`slot_prefill`: one prefill chunk of one prompt (a fixed width ``W``) into the slot's rows of the target
   cache and the draft's store, by the engine's own :func:`~diffspec_jax.engine.prefill._prefill_chunk` on the
@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
-from diffspec_jax import working_cache
+from diffspec_jax import working_cache, working_set
 from diffspec_jax.cache import HybridCache
 from diffspec_jax.engine.compile import _Program, bind
 from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
@@ -121,6 +121,9 @@ def slot_reset(plan: Plan, state: DecodeState, slot, temperature, top_k, top_p, 
                           score_lse=_set(ret.score_lse, slot, 0), draft_q=_set(ret.draft_q, slot, 0),
                           chunk_sum=None if ret.chunk_sum is None else _set(ret.chunk_sum, slot, 0))
         state = state.replace(retrieval=ret)
+    ws = state.draft_cache
+    if isinstance(ws, working_set.WorkingSet):  # a self-draft's working set is rebuilt at the slot's first draft
+        state = state.replace(draft_cache=ws.replace(built=_set(ws.built, slot, working_set.UNBUILT)))
     tc = state.target_cache
     if isinstance(tc, HybridCache):  # recurrent states start from zero (KV rows need no clearing)
         zero = lambda bufs: tuple(_set(b, slot, 0) for b in bufs)  # noqa: E731

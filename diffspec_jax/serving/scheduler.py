@@ -63,6 +63,7 @@ from diffspec_jax.engine.compile import _CompileClock, _Program, enable_compilat
 from diffspec_jax.engine import memory
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
+from diffspec_jax.engine.self_draft import SELF, is_self, self_draft_spec
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.slots import init_slots, new_acc
 from diffspec_jax.engine.state import Plan
@@ -249,6 +250,9 @@ class Request:
         self.admitted_seq = 0  # the engine's admission counter when it last joined a slot
         self.committed = 0  # positions of its current admission committed to the page manager
         self.first_token_at: float | None = None
+        #: ``time.monotonic()`` when it was last admitted, its last prefill chunk and its start were dispatched
+        #: (benchmarks break the time to its first token down with them)
+        self.marks: dict[str, float] = {}
         self.cycles = 0
         self.accepted = 0
 
@@ -277,7 +281,8 @@ class SlotEngine:
     """Continuous batching over fixed slots (see the module docstring).
 
     Args:
-        target, draft: loaded models (``draft=None``: the target alone).
+        target, draft: loaded models (``draft=None``: the target alone; ``draft="self"``: the target drafts for
+            itself over its working set, :mod:`diffspec_jax.engine.self_draft`).
         spec: :class:`SpecConfig` (K, draft context, verification, kernels; default ``SpecConfig()``).
         config: :class:`EngineConfig`.
         eos_token_ids: the ids that end every request unless it asks ``ignore_eos`` (default: the target
@@ -295,13 +300,21 @@ class SlotEngine:
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         spec = SpecConfig() if spec is None else spec
         self.session = session = default_session() if session is None else session
+        self.self_draft = is_self(draft)
+        if isinstance(draft, str) and not self.self_draft:
+            raise ConfigError(f"draft must be a loaded draft (load_draft), {SELF!r} (the target drafts for itself) "
+                              f"or None, got {draft!r}")
+        if self.self_draft:
+            draft = None
         _validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
+        if self.self_draft:
+            spec = self_draft_spec(spec, target.config)
         if spec.draft_sampling != "argmax":
             raise ConfigError(f"draft_sampling={spec.draft_sampling!r}: request slots draft by argmax (each slot "
                               f"samples with its own settings at verification); use draft_sampling='argmax'")
         tc = target.config
         self.target, self.draft, self.spec, self.config = target, draft, spec, config
-        speculative = draft is not None
+        speculative = draft is not None or self.self_draft
         k = spec.num_speculative_tokens if speculative else 0
         k_block = spec.verification.max_nodes if speculative and spec.tree else k
         self.max_model_len = config.max_model_len or min(tc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -317,10 +330,11 @@ class SlotEngine:
                                   * psize)  # (whole attention tiles, for the tiled prefill)
         self.max_pages = capacity // psize
         # the stop ids are inputs of the device loop, not part of its programs (as in generate())
-        plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()), draft=draft.config if speculative else None,
-                    spec=spec, sampling=SamplingConfig(), aux_layers=draft.aux_layers if speculative else (),
-                    capacity=capacity, paging=(1, psize))
-        ddtype = draft.params["fc"].dtype if speculative else target.dtype
+        plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
+                    draft=draft.config if draft is not None else None, spec=spec, sampling=SamplingConfig(),
+                    aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, paging=(1, psize),
+                    self_draft=self.self_draft)
+        ddtype = draft.params["fc"].dtype if draft is not None else target.dtype
         self.num_pages = self._pool_pages(config, capacity, memory.page_bytes(plan, target.dtype, ddtype))
         need = -(-(self.max_model_len + k_block + 1) // psize)
         if self.num_pages < need:
@@ -329,14 +343,16 @@ class SlotEngine:
                               f"pool more pages (num_kv_blocks, kv_cache_memory_fraction)")
         self.plan = plan = dataclasses.replace(plan, paging=(self.num_pages, psize))
         # prefix reuse needs every per-request state in pages: not the recurrent states of a hybrid target, the
-        # draft's full-policy working cache (rows per slot) or the salience scorer's chunk summaries
-        reusable = not (tc.is_hybrid or (speculative and not spec.uses_working_cache)
+        # draft's full-policy working cache (rows per slot) or the salience scorer's chunk summaries (a self-draft's
+        # working set is rebuilt from the target's pages for every request)
+        reusable = not (tc.is_hybrid or (draft is not None and not spec.uses_working_cache)
                         or (plan.diffspec and spec.context.needs_summaries))
         self.prefix_caching = config.prefix_caching and reusable
-        self._namespace = f"{target.config}|{target.dtype}|{draft.config if speculative else None}"
+        self._namespace = (f"{target.config}|{target.dtype}|"
+                           f"{SELF if self.self_draft else draft.config if draft is not None else None}")
         #: the draft's store lags the committed length by the pending entries (projected at the next draft step 0),
         #: and its entry at p depends on the token at p + 1 (the page manager's lookahead)
-        self._store_lag = k + 1 if speculative and spec.uses_working_cache else 0
+        self._store_lag = k + 1 if draft is not None and spec.uses_working_cache else 0
         self.pager = self._new_pager()
         self._table = np.full((b, self.max_pages), self.num_pages, np.int32)
         self._table_dirty = True
@@ -534,7 +550,10 @@ class SlotEngine:
 
     @property
     def policy(self) -> str:
-        """The drafting policy, as metrics label it: ``target-only`` or the draft context policy."""
+        """The drafting policy, as metrics label it: ``target-only``, the draft context policy, or ``self-`` and
+        the self-draft's policy."""
+        if self.self_draft:
+            return f"{SELF}-{self.spec.context.policy}"
         return self.spec.context.policy if self.draft is not None else "target-only"
 
     # ----------------------------------------------------------------------------------------- engine thread
@@ -699,6 +718,7 @@ class SlotEngine:
                 self._free -= 1
             slot = self.slots.index(None)
             self.slots[slot], req.slot, req.phase = req, slot, "prefill"
+            req.marks["admitted"] = time.monotonic()
             adm = self.pager.admit(req.id, ids)
             req.committed = adm.cached_tokens
             if req.cached_tokens is None:
@@ -802,6 +822,7 @@ class SlotEngine:
             if a.req.finished:  # its prefill failed: it left its slot
                 continue
             if not a.left:
+                a.req.marks["prefilled"] = time.monotonic()
                 del self._admissions[a.slot]
                 if self._forming:
                     self._starting.append(a)
@@ -873,6 +894,7 @@ class SlotEngine:
             np.int32(p.max_tokens - len(req.tokens)), self._stops[slot].copy(), np.bool_(retrieve), np.int32(depth),
             np.int32(floor))
         req.phase = "decode"
+        req.marks["started"] = time.monotonic()
         self._pending.append(("start", req, slot, first, anchors, retrieve))
 
     # decoding -------------------------------------------------------------------------------------------
