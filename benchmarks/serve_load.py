@@ -374,10 +374,15 @@ def reference_alone(target, draft, prompts, args) -> dict:
     """``generate()`` on each prompt alone (greedy, ``--new-tokens``, no stop ids): ``{"tokens": [...],
     "wall_s"}``, what every completed server request must return."""
     from diffspec_jax import generate
+    from diffspec_jax.engine.compile import capacity_bucket
 
+    spec = _spec(args.policy, args)
+    k = spec.num_speculative_tokens if draft is not None else 0
+    tc = target.config  # one capacity for every prompt: one set of programs
+    cap = capacity_bucket(max(map(len, prompts)) + args.new_tokens + k + 1, tc.max_position_embeddings + k + 1)
     t = time.perf_counter()
-    tokens = [generate(target, draft, [p], max_new_tokens=args.new_tokens, spec=_spec(args.policy, args),
-                       stop_token_ids=()).tokens[0] for p in prompts]
+    tokens = [generate(target, draft, [p], max_new_tokens=args.new_tokens, spec=spec, stop_token_ids=(),
+                       max_cache_len=cap).tokens[0] for p in prompts]
     return {"tokens": [list(map(int, x)) for x in tokens], "wall_s": time.perf_counter() - t}
 
 

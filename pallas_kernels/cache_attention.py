@@ -111,7 +111,7 @@ def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: in
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps, block, tiles_per_split, splits,
-            seq_len, head_dim, cols, scale, precision, causal, page_size):
+            seq_len, head_dim, cols, scale, precision, causal, page_size, page_tiles):
     from jax.experimental.pallas import triton as plgpu
 
     pt_ref, (o_ref, m_ref, l_ref) = (refs[0], refs[1:]) if page_size else (None, refs)
@@ -137,8 +137,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     def where(pos, visible, start):                       # (sequence, row) of positions in the K/V buffers
         if not page_size:
             return b, pos
-        if start is not None and page_size % block == 0:  # a block-aligned tile lies in one page: one scalar
-            page = pt_ref[b, jnp.clip(start // page_size, 0, pt_ref.shape[1] - 1)]  # load, contiguous rows
+        if page_tiles and start is not None and page_size % block == 0:  # a block-aligned tile in one page: one
+            page = pt_ref[b, jnp.clip(start // page_size, 0, pt_ref.shape[1] - 1)]  # scalar load, contiguous rows
             return 0, page * page_size + start % page_size + jnp.arange(block)
         col = jnp.clip(pos // page_size, 0, pt_ref.shape[1] - 1)
         page = plgpu.load(pt_ref.at[b, col], mask=visible, other=0)
@@ -177,15 +177,17 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "block", "splits", "max_rows", "num_warps",
-                                             "num_stages", "page_size"))
+                                             "num_stages", "page_size", "page_tiles"))
 def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits=None, max_rows=128,
-                    num_warps=None, num_stages=None, pages=None, page_size=0):
+                    num_warps=None, num_stages=None, pages=None, page_size=0, page_tiles=True):
     """Attention of new queries over the committed prefix of a heads-first KV cache (see the module docstring
     for shapes, dtypes and semantics).
 
     Paged caches: ``k``, ``v`` are pools ``[1, Hkv, N * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
     sequence b's position p to pool row ``pages[b, p // P] * P + p % P`` (``page_size`` = P, static); the kernel
-    loads each tile's rows through the table (one more small vector load per tile), so paging costs no copy.
+    loads each tile's rows through the table (one more small vector load per tile), so paging costs no copy;
+    with ``page_tiles`` a tile that lies inside one page (``page_size`` a multiple of ``block``) loads its page
+    once and reads contiguous rows.
 
     Tuning knobs (static; ``block`` and ``num_stages`` default to :func:`default_tiling`): ``block`` cache rows
     per tile (a power of two >= 16; capped at the cache length rounded up to a power of two), ``splits`` ranges per (sequence, KV head) (default :func:`default_splits`; capped at
@@ -213,7 +215,7 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
                                tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d,
                                cols=next_pow2(d, 16), scale=scale, precision=dot_precision(k.dtype), causal=causal,
-                               page_size=page_size if pages is not None else 0)
+                               page_size=page_size if pages is not None else 0, page_tiles=page_tiles)
     extra = () if pages is None else (pages.astype(jnp.int32),)
     o, m, l = pl.pallas_call(
         kernel,
