@@ -74,14 +74,19 @@ def _check_pow2(name: str, n: int, lo: int = 16) -> None:
         raise ValueError(f"cache_attention: {name} must be a power of two >= {lo}, got {n}")
 
 
-def default_tiling(rows: int) -> tuple[int, int]:
+def default_tiling(rows: int, paged: bool = False) -> tuple[int, int]:
     """``(block, num_stages)`` for programs of ``rows`` query rows, from the H200 sweep
     (``benchmarks/gpu_cache_sweep.sh``, Llama-3.1-8B shapes, committed under ``benchmarks/results/``): a decode step
     (16 rows: G = 4, T = 1) streams best in 64-row tiles with two pipeline stages (64K x 8: 516 us a layer, at the
     copy bandwidth); a verify step (32 rows: T = 5) needs more bytes in flight per program, 128-row tiles with
     three stages (64K x 8: 562 us against 690 us with the decode tiling). Programs of more than 64 rows (tree
-    blocks) keep 64-row tiles, whose two stages fit the shared memory beside a large query tile."""
-    return (128, 3) if 16 < rows <= 64 else (64, 2)
+    blocks) keep 64-row tiles, whose two stages fit the shared memory beside a large query tile. Over a paged
+    cache (``paged``) a verify step's 128-row tiles pipeline better in two stages: each tile's rows wait on its
+    page-table load (H200, random page placement, pages of 64: 32K x 8 1.12x the contiguous step against 1.16x
+    with three stages, 8K x 8 0.82x against 0.97x: the sweep in docs/serving.md)."""
+    if 16 < rows <= 64:
+        return (128, 2) if paged else (128, 3)
+    return (64, 2)
 
 
 class Plan(NamedTuple):
@@ -93,13 +98,13 @@ class Plan(NamedTuple):
 
 
 def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: int, *, block: int | None = None,
-                splits: int | None = None, max_rows: int = 128) -> Plan:
+                splits: int | None = None, max_rows: int = 128, paged: bool = False) -> Plan:
     """The static launch parameters :func:`cache_attention` uses for these shapes and knobs (``block`` default:
     :func:`default_tiling`; ``splits`` is rounded to whole tiles per split: e.g. 66 wanted over 1024 tiles -> 16
     tiles per split -> 64 splits)."""
     _check_pow2("max_rows", max_rows)
     rows = min(next_pow2(steps * (q_heads // kv_heads), 16), max_rows)
-    block = default_tiling(rows)[0] if block is None else block
+    block = default_tiling(rows, paged)[0] if block is None else block
     _check_pow2("block", block)
     row_blocks = -(-(steps * (q_heads // kv_heads)) // rows)
     block = min(block, next_pow2(seq_len, 16))
@@ -111,7 +116,7 @@ def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: in
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps, block, tiles_per_split, splits,
-            seq_len, head_dim, cols, scale, precision, causal, page_size, page_tiles):
+            seq_len, head_dim, cols, scale, precision, causal, page_size):
     from jax.experimental.pallas import triton as plgpu
 
     pt_ref, (o_ref, m_ref, l_ref) = (refs[0], refs[1:]) if page_size else (None, refs)
@@ -134,19 +139,16 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     first = s * tiles_per_split * block
     n_tiles = jnp.clip((length - first + block - 1) // block, 0, tiles_per_split)
 
-    def where(pos, visible, start):                       # (sequence, row) of positions in the K/V buffers
+    def where(pos, visible):                              # (sequence, row) of positions in the K/V buffers
         if not page_size:
             return b, pos
-        if page_tiles and start is not None and page_size % block == 0:  # a block-aligned tile in one page: one
-            page = pt_ref[b, jnp.clip(start // page_size, 0, pt_ref.shape[1] - 1)]  # scalar load, contiguous rows
-            return 0, page * page_size + start % page_size + jnp.arange(block)
         col = jnp.clip(pos // page_size, 0, pt_ref.shape[1] - 1)
         page = plgpu.load(pt_ref.at[b, col], mask=visible, other=0)
         return 0, page * page_size + pos % page_size    # the pool's one "sequence", through the page table
 
-    def tile(carry, pos, visible, seen, start=None):
+    def tile(carry, pos, visible, seen):
         mask = cols_in(visible[:, None])                  # rows not visible are never read
-        sb, row = where(pos, visible, start)
+        sb, row = where(pos, visible)
         k = plgpu.load(k_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
         v = plgpu.load(v_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
         return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision)
@@ -154,7 +156,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     def body(i, carry):                                   # the committed prefix: rows < length
         pos = first + i * block + jnp.arange(block)
         visible = pos < length
-        return tile(carry, pos, visible, visible[None, :], start=first + i * block)
+        return tile(carry, pos, visible, visible[None, :])
 
     init = (jnp.zeros((rows, cols), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -177,17 +179,15 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "block", "splits", "max_rows", "num_warps",
-                                             "num_stages", "page_size", "page_tiles"))
+                                             "num_stages", "page_size"))
 def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits=None, max_rows=128,
-                    num_warps=None, num_stages=None, pages=None, page_size=0, page_tiles=True):
+                    num_warps=None, num_stages=None, pages=None, page_size=0):
     """Attention of new queries over the committed prefix of a heads-first KV cache (see the module docstring
     for shapes, dtypes and semantics).
 
     Paged caches: ``k``, ``v`` are pools ``[1, Hkv, N * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
     sequence b's position p to pool row ``pages[b, p // P] * P + p % P`` (``page_size`` = P, static); the kernel
-    loads each tile's rows through the table (one more small vector load per tile), so paging costs no copy;
-    with ``page_tiles`` a tile that lies inside one page (``page_size`` a multiple of ``block``) loads its page
-    once and reads contiguous rows.
+    loads each tile's rows through the table (one more small vector load per tile), so paging costs no copy.
 
     Tuning knobs (static; ``block`` and ``num_stages`` default to :func:`default_tiling`): ``block`` cache rows
     per tile (a power of two >= 16; capped at the cache length rounded up to a power of two), ``splits`` ranges per (sequence, KV head) (default :func:`default_splits`; capped at
@@ -211,11 +211,11 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     if causal and t == 1:  # a decode step: its one query sees rows < length + 1, the plain form (no block tile)
         lengths, causal = lengths + 1, False
     rows, row_blocks, block, tiles_per_split, splits = launch_plan(b, t, hq, hkv, s_len, block=block, splits=splits,
-                                                                   max_rows=max_rows)
+                                                                   max_rows=max_rows, paged=pages is not None)
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
                                tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d,
                                cols=next_pow2(d, 16), scale=scale, precision=dot_precision(k.dtype), causal=causal,
-                               page_size=page_size if pages is not None else 0, page_tiles=page_tiles)
+                               page_size=page_size if pages is not None else 0)
     extra = () if pages is None else (pages.astype(jnp.int32),)
     o, m, l = pl.pallas_call(
         kernel,
@@ -225,7 +225,7 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
                    jax.ShapeDtypeStruct((b, hkv, splits, t * group), jnp.float32)),
         name="cache_attention",
         **call_options(num_warps=num_warps or (4 if rows <= 64 else 8),
-                       num_stages=num_stages or default_tiling(rows)[1]),
+                       num_stages=num_stages or default_tiling(rows, pages is not None)[1]),
     )(q, k, v, lengths, *extra)
     # split j saw rows iff it starts before the length (the kernel's n_tiles > 0); the others wrote no output
     prefix = jnp.clip(lengths, 0, s_len)[:, None]

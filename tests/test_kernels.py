@@ -163,6 +163,7 @@ def test_cache_attention_split_plan():
         launch_plan(1, 1, 8, 2, 100, block=48)
     # default tiling by query rows per program: decode (16) 64-row tiles, verify (32) 128-row tiles, trees 64
     assert [default_tiling(r) for r in (16, 32, 64, 128)] == [(64, 2), (128, 3), (128, 3), (64, 2)]
+    assert [default_tiling(r, paged=True) for r in (16, 32, 64, 128)] == [(64, 2), (128, 2), (128, 2), (64, 2)]
     assert launch_plan(8, 1, 32, 8, 65536).block == 64 and launch_plan(8, 5, 32, 8, 65536).block == 128
 
 

@@ -16,23 +16,23 @@ P = 16          # page size
 PAGES = 8       # table columns per sequence: capacity 128
 
 
-def _paged_copy(rng, bufs, lengths, extra_pages=3, page=P):
+def _paged_copy(rng, bufs, lengths, extra_pages=3):
     """Pools holding each ``buf [B, H, S, D]``'s first ``lengths[b]`` rows of each sequence on randomly placed
-    pages of ``page`` rows (the same for every buf), the rest of each table unallocated; returns ``([pool [1, H,
-    N * page, D]], pages [B, S // page])``."""
+    pages (the same for every buf), the rest of each table unallocated; returns ``([pool [1, H, N * P, D]], pages
+    [B, PAGES])``."""
     b, h, s, d = bufs[0].shape
-    need = [-(-n // page) for n in lengths]
+    need = [-(-n // P) for n in lengths]
     n = sum(need) + extra_pages
     order = rng.permutation(n)
-    pages = np.full((b, s // page), n, np.int32)  # n = unallocated
+    pages = np.full((b, PAGES), n, np.int32)  # n = unallocated
     at = 0
     for i, k in enumerate(need):
         pages[i, :k] = order[at:at + k]
         at += k
     pos = np.stack([np.arange(s)] * b)
     pos = jnp.asarray(np.where(pos < np.asarray(lengths)[:, None], pos, -1))
-    pools = [write_paged(jnp.asarray(rng.standard_normal((1, h, n * page, d)), buf.dtype),  # garbage elsewhere
-                         jnp.swapaxes(buf, 1, 2), jnp.asarray(pages), pos, page) for buf in bufs]
+    pools = [write_paged(jnp.asarray(rng.standard_normal((1, h, n * P, d)), buf.dtype),  # garbage elsewhere
+                         jnp.swapaxes(buf, 1, 2), jnp.asarray(pages), pos, P) for buf in bufs]
     return pools, jnp.asarray(pages)
 
 
@@ -119,23 +119,3 @@ def test_paged_chunk_scores_in_groups_equal_the_whole_cache(monkeypatch, chunk):
                                        chunk)
     want = retrieval.head_sum_scores(q, lse, buf, root, chunk)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize("block, page", [(16, 32), (32, 16)])
-def test_kernel_page_aligned_tiles(block, page):
-    """The Pallas kernel over a pool, against the same kernel over contiguous buffers: tiles of a page or less
-    (``page_size % block == 0``) load their page once and read contiguous rows; larger tiles look each row up."""
-    from pallas_kernels.cache_attention import cache_attention as kernel
-
-    rng = np.random.default_rng(block)
-    b, t, hq, hkv, d = 2, 5, 4, 2, 16
-    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
-    q, kb, vb = f(b, t, hq, d), f(b, hkv, PAGES * P, d), f(b, hkv, PAGES * P, d)
-    lengths = jnp.asarray([100, 37], jnp.int32)
-    (kp, vp), pages = _paged_copy(rng, [kb, vb], [int(n) + t for n in lengths], page=page)
-    with use_kernels("pallas"):
-        ref = kernel(q, kb, vb, lengths, scale=0.25, causal=True, block=block, splits=2)
-        got = kernel(q, kp, vp, lengths, scale=0.25, causal=True, block=block, splits=2, pages=pages,
-                     page_size=page)
-    for a, c in zip(got, ref):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-5)
