@@ -15,10 +15,8 @@ the JAX-backed names load on first access (PEP 562 module ``__getattr__``). This
 :mod:`diffspec_jax.torch_bridge` usable in torch-only processes (e.g. an Ascend serving engine).
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+from importlib import import_module as _import_module
+from typing import TYPE_CHECKING
 
 from diffspec_jax.config import (Chain, DiffSpec, DraftConfig, Full, ModelConfig, Recent, RopeConfig, SamplingConfig,
                                  SpecConfig, Tree)
@@ -31,6 +29,7 @@ if TYPE_CHECKING:  # static analysers see the eager imports
     from diffspec_jax.engine.prefix_cache import PrefixCache
     from diffspec_jax.mesh import make_mesh
     from diffspec_jax.target import TargetModel, forward, load_target
+del TYPE_CHECKING  # the namespace holds the public API (and the submodules imported so far), nothing else
 
 __version__ = "0.1.0"
 
@@ -52,7 +51,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """Load a JAX-backed public name on first access and cache it in the package namespace.
 
     Only the names in ``_LAZY`` resolve here; anything else raises ``AttributeError`` so that
@@ -62,10 +61,12 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'diffspec_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_import_module(module), name)
     globals().setdefault(name, value)  # a submodule bound meanwhile (diffspec_jax.generate) keeps its binding
     return globals()[name]
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public API, the version, the submodules imported so far and the module's dunders; no private or
+    imported helper names."""
+    return sorted(set(__all__) | {n for n in globals() if not n.startswith("_") or n.endswith("__")})

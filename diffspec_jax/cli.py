@@ -1,7 +1,7 @@
 """``diffspec``: one command for every tool, ``diffspec COMMAND [ARGS]``.
 
 Each command runs an existing entry point with the rest of the arguments unchanged (``diffspec generate --help``
-is ``python -m diffspec_jax.generate --help``):
+is ``python -m diffspec_jax.generate --help``, its program named ``diffspec generate``):
 
 * ``generate``: :mod:`diffspec_jax.generate`; ``convert``: :mod:`checkpoints_tools.convert`; ``inspect``:
   :mod:`checkpoints_tools.inspect`; ``train-draft``: :mod:`diffspec_jax.train_draft`;
@@ -20,7 +20,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from diffspec_jax.validation import ArgumentParser
+from diffspec_jax.validation import ArgumentParser, quiet_library_notices
 
 #: command -> (module whose ``main(argv)`` runs it, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -72,11 +72,22 @@ def _bench(argv: list[str]) -> int:
         return _fail("the benchmarks are not installed with the package: run `diffspec bench` from the root of a "
                      "source checkout (the folder holding benchmarks/)")
     module = importlib.import_module(f"benchmarks.{name}")
-    sys.argv[0] = f"diffspec bench {name}"  # the benchmark's argparse names itself after it
-    return int(module.main(rest) or 0)
+    return _run_as(f"diffspec bench {name}", module.main, rest)
+
+
+def _run_as(prog: str, main, argv: list[str]) -> int:
+    """``main(argv)`` with ``sys.argv[0]`` set to ``prog``: a tool's usage and ``--help`` name it after the command
+    that ran it (argparse's default program name; :func:`diffspec_jax.validation.program_name`)."""
+    argv0 = sys.argv[0]
+    sys.argv[0] = prog
+    try:
+        return int(main(argv) or 0)
+    finally:
+        sys.argv[0] = argv0
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_library_notices()
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = build_parser()
     if not argv:
@@ -89,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec(module) is None:
         return _fail(f"`diffspec {args.command}` needs {module}, which this installation does not have; "
                      f"`diffspec generate` runs generation from the command line")
-    return int(importlib.import_module(module).main(args.args) or 0)
+    return _run_as(f"diffspec {args.command}", importlib.import_module(module).main, args.args)
 
 
 if __name__ == "__main__":

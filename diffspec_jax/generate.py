@@ -14,8 +14,10 @@ left out unless ``--keep-special-tokens``, cut before the first ``--stop`` strin
 to stderr: a progress bar, or, when stdout and stderr are the same terminal, one status line before the text and
 the statistics after it. ``--json`` prints one JSON object instead. Sampling settings not given default to the
 target's ``generation_config.json`` (greedy without one), and its EOS ids end generation. ``--compare`` also runs
-target-only decoding on the same prompt and reports the speedup (and, when greedy, checks that the outputs are
-identical).
+target-only decoding on the same prompt (both paths warmed up first) and reports each run's prefill and decode
+times, the decode speedup and the end-to-end speedup (prefill + decode), a line on why when either is below 1, and
+whether the outputs are identical (greedy) or why they differ (sampling). The embedded pair compares by default
+(``--no-compare`` runs the speculative path alone, without the warm-up runs); ``--no-draft`` never compares.
 
 This module is also callable: ``diffspec_jax.generate(target, draft, prompts, ...)`` is
 :func:`diffspec_jax.engine.generate` whether ``diffspec_jax.generate`` names the function or this module.
@@ -43,7 +45,7 @@ from diffspec_jax.target import check_token_ids, load_target
 from diffspec_jax.config import KERNEL_CHOICES, KERNELS_ENV, DiffSpec, SamplingConfig, SpecConfig, Tree
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
 from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_int, check_stop_strings,
-                                     decode_text, read_at_most, read_text, report_error)
+                                     decode_text, quiet_library_notices, read_at_most, read_text, report_error)
 
 
 def default_pair() -> tuple[Path, Path]:
@@ -120,9 +122,9 @@ def add_model_arguments(ap) -> None:
     that decode: this one and ``python -m diffspec_jax.serve``); :func:`model_dirs` reads them."""
     ap.add_argument("--target", help="Hugging Face or Orbax target directory (default: the embedded pair)")
     ap.add_argument("--draft", help="EAGLE-3 draft directory (default: the embedded pair's draft, if no --target), "
-                                    "or 'self' (this command only): the target drafts for itself over its "
-                                    "working set (docs/self_drafting.md; a directory named self is ./self)")
-    ap.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding")
+                                    "or 'self': the target drafts for itself over its working set "
+                                    "(docs/self_drafting.md; a directory named self is ./self)")
+    ap.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding (no draft)")
     ap.add_argument("--no-verify", action="store_true",
                     help="skip the integrity checks at load: the diffspec_manifest.json digests and the NaN / inf / "
                          "magnitude check of the weights (docs/checkpoints.md)")
@@ -154,15 +156,19 @@ def model_dirs(args, *, self_draft_ok: bool = False) -> tuple[Path, Path | None,
 def add_spec_arguments(ap) -> None:
     """The speculative-decoding options (shared with ``python -m diffspec_jax.serve``); :func:`spec_from_args`
     reads them."""
-    ap.add_argument("--num-speculative-tokens", "-k", type=int, default=SpecConfig.num_speculative_tokens)
+    ap.add_argument("--num-speculative-tokens", "-k", type=int, default=SpecConfig.num_speculative_tokens,
+                    help="K: tokens drafted per verification (chain depth)")
     ap.add_argument("--policy", default=None,
                     help="full | recent | diffspec. Default diffspec: it equals full while the context fits "
                          "--token-budget, and beyond it keeps a draft trained on short windows accepting where full "
                          "collapses (0.80-0.89x at 16K on the demo pair, whose target reads no far context, so "
                          "recent was faster there; docs/benchmarks.md)")
-    ap.add_argument("--chunk-size", type=int, default=DiffSpec.chunk_size)
-    ap.add_argument("--token-budget", type=int, default=DiffSpec.token_budget)
-    ap.add_argument("--retrieval-interval", type=int, default=DiffSpec.retrieval_interval)
+    ap.add_argument("--chunk-size", type=int, default=DiffSpec.chunk_size,
+                    help="diffspec: tokens per context chunk that retrieval scores and selects")
+    ap.add_argument("--token-budget", type=int, default=DiffSpec.token_budget,
+                    help="diffspec / recent: working-cache positions the draft reads (a multiple of --chunk-size)")
+    ap.add_argument("--retrieval-interval", type=int, default=DiffSpec.retrieval_interval,
+                    help="diffspec: cycles between retrievals of the working cache's chunks")
     ap.add_argument("--verification-mode", default="auto",
                     help="auto | linear (chain drafting) | tree (tree drafting and verification)")
     ap.add_argument("--max-tree-nodes", type=int, default=Tree.max_nodes,
@@ -200,28 +206,38 @@ def build_parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m diffspec_jax.generate", description=__doc__.split("\n")[0])
     add_model_arguments(ap)
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file holding the prompt text (- reads standard input)")
-    src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    src.add_argument("--prompt", help="prompt text (default, with none of the three prompt options: the embedded "
+                                      "pair's built-in long prompt, about 10K tokens)")
+    src.add_argument("--prompt-file", help="file holding the prompt text (- reads standard input; default: see "
+                                           "--prompt)")
+    src.add_argument("--prompt-ids", help="comma-separated prompt token ids (default: see --prompt)")
     ap.add_argument("--max-prompt-bytes", type=int, default=MAX_PROMPT_BYTES,
                     help=f"refuse a --prompt-file (or standard input) larger than this (default {MAX_PROMPT_BYTES}: "
                          f"2**20 tokens at 16 bytes each)")
     ap.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     ap.add_argument("--temperature", type=float, default=None,
                     help="0 = greedy (default: the target's generation_config.json; greedy without one)")
     ap.add_argument("--top-k", type=int, default=None, help="0 = off (default: generation_config.json)")
     ap.add_argument("--top-p", type=float, default=None, help="1 = off (default: generation_config.json)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="random seed of sampling")
     ap.add_argument("--stop", action="append", default=None, metavar="STR",
-                    help="stop at this text (repeatable; needs a tokenizer): the output ends before it")
+                    help="stop at this text (repeatable; needs a tokenizer): the output ends before it (default: "
+                         "none; the EOS ids still stop)")
     ap.add_argument("--keep-special-tokens", action="store_true",
                     help="print special tokens (EOS, chat markers) in the text (default: left out)")
     add_spec_arguments(ap)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices on the mesh's tp axis)")
-    ap.add_argument("--draft-tp", type=int, default=None, help="draft tensor-parallel size: 1 (replicated) or --tp")
+    ap.add_argument("--draft-tp", type=int, default=None,
+                    help="draft tensor-parallel size: 1 (replicated) or --tp (default: --tp)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    ap.add_argument("--compare", action="store_true", help="also run target-only decoding and report the speedup")
+    compare = ap.add_mutually_exclusive_group()
+    compare.add_argument("--compare", action="store_true",
+                         help="also run target-only decoding (both paths warmed up first) and report the decode and "
+                              "end-to-end speedups (default: on for the embedded pair, off otherwise)")
+    compare.add_argument("--no-compare", action="store_true",
+                         help="run the speculative path alone: no warm-up runs, no comparison (the embedded pair's "
+                              "opt-out)")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (ids, text, finish_reason: stop | length, stats)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar or status line")
@@ -277,15 +293,21 @@ def check_option_combinations(args, given: dict[str, str]) -> None:
     check_int(args.max_prompt_bytes, "--max-prompt-bytes", min=1)
 
 
+def compare_wanted(args, embedded: bool) -> bool:
+    """Whether to run target-only decoding too: ``--compare``, or the embedded pair's default (the demo reports its
+    speedups) unless ``--no-compare``, or ``--no-draft`` (target-only decoding has nothing to compare with)."""
+    return args.compare or (embedded and not (args.no_draft or args.no_compare))
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_library_notices()
     args = build_parser().parse_args(argv)
     try:
         check_option_combinations(args, given_options(argv))
         text = _prompt_text(args)  # before any model is loaded: a bad prompt file fails at once
         self_draft = args.draft == engine.SELF and not args.no_draft
         target_dir, draft_dir, embedded = model_dirs(args, self_draft_ok=True)
-        if embedded:
-            args.compare = args.compare or not args.no_draft  # the demo reports its speedup, measured here
+        args.compare = compare_wanted(args, embedded)
         spec = spec_from_args(args, args.draft_tp)
         policy = spec.context.policy
         target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype), verify=not args.no_verify)
@@ -307,10 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         if random_pair and not args.json:
             print(f"[RANDOM weights in {target_dir}: the tokens are meaningless]", file=sys.stderr)
         if embedded and not args.json:
-            print(f"[embedded demo pair: {target_dir.parent} (a small Llama and EAGLE-3 draft trained on the Python "
-                  f"standard library; see MODEL_CARD.md there); prompt: {len(prompt)} tokens, policy {policy}"
-                  f"{', the target drafting for itself' if self_draft else ''}]",
-                  file=sys.stderr)
+            print(demo_banner(target_dir.parent, len(prompt), None if draft is None else policy, self_draft=self_draft,
+                              compare=args.compare), file=sys.stderr)
         if gen_defaults and not args.json and not sampling.greedy:
             print(f"[sampling as {target_dir / stopping.GENERATION_CONFIG} says: temperature {sampling.temperature:g}"
                   f", top_k {sampling.top_k}, top_p {sampling.top_p:g} (--temperature 0 for greedy)]",
@@ -323,9 +343,11 @@ def main(argv: list[str] | None = None) -> int:
         console.status(f"prefill of {len(prompt)} prompt tokens" + (
             ", compiling and warming up both paths (--compare)" if args.compare else
             " (the first run in a process compiles first)"))
+        t_warmup = time.perf_counter()
         if args.compare:  # compile both paths first, so the timed runs below measure decoding only
             warmup = [engine.generate(target, draft, [prompt], **kwargs),
                       engine.generate(target, None, [prompt], **kwargs)]
+        t_warmup = time.perf_counter() - t_warmup
         console.start()
         result = engine.generate(target, draft, [prompt], on_tokens=console.ids if tok is None else None,
                                  on_text=console.text if tok is not None else None, progress=console.bar, **kwargs)
@@ -342,10 +364,14 @@ def main(argv: list[str] | None = None) -> int:
             base = engine.generate(target, None, [prompt], **kwargs)
             report["baseline"] = base.stats.to_dict()
             report["identical_to_target_only"] = base.tokens == result.tokens
+            report["greedy"] = sampling.greedy
             if sampling.greedy and base.tokens != result.tokens:
                 report["divergence"] = divergence(target, prompt, base.tokens[0], result.tokens[0])
-            if base.stats.decode_tokens_per_s and result.stats.decode_tokens_per_s:
-                report["decode_speedup"] = result.stats.decode_tokens_per_s / base.stats.decode_tokens_per_s
+            report.update(speedups(report["stats"], report["baseline"]))
+            report["warmup_s"] = t_warmup
+            report["speedup_note"] = speedup_note(
+                report, context=len(prompt) + len(result.tokens[0]),
+                budget=getattr(spec.context, "token_budget", DiffSpec.token_budget))
         # compilation of every run (the warm-up runs of --compare compile what the timed runs then reuse)
         report["compile_s"] = sum(r.stats.compile_s for r in warmup + [result] + ([base] if args.compare else []))
     except (DiffspecError, OSError) as exc:  # one line on stderr; 2 = usage error, 1 = other (a damaged file)
@@ -401,6 +427,13 @@ def same_terminal(out=None, err=None) -> bool:
         return False
 
 
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, OSError, ValueError):  # replaced or closed streams
+        return False
+
+
 class _Console:
     """What the CLI prints while generating: streamed text (or ids) on stdout, progress on stderr.
 
@@ -445,17 +478,96 @@ class _Console:
         if self.open:
             sys.stderr.write("\n")
             self.open = False
+        if self.bar and not _isatty(sys.stderr):  # on a terminal the finished bar erases itself; elsewhere its
+            sys.stderr.write("\n")                 # last state stays, ended by a bare \r: end its line
         if self.stream:
             sys.stdout.write("\n")
             sys.stdout.flush()
 
 
-def _print_summary(report: dict) -> None:
-    s = report["stats"]
+def demo_banner(pair: Path, prompt_tokens: int, policy: str | None, *, self_draft: bool = False,
+                compare: bool = False) -> str:
+    """The line the embedded pair's run starts with: what runs (``policy`` ``None``: the target alone, as
+    ``--no-draft``) and whether it is compared with target-only decoding."""
+    if policy is None:
+        mode = "target-only decoding (--no-draft): no draft, no comparison"
+    else:
+        mode = (f"speculative decoding, policy {policy}{', the target drafting for itself' if self_draft else ''}"
+                + ("; then target-only decoding for the comparison (--no-compare skips it)" if compare else ""))
+    return (f"[embedded demo pair: {pair} (a small Llama and EAGLE-3 draft trained on the Python standard library; "
+            f"see MODEL_CARD.md there); prompt: {prompt_tokens} tokens; {mode}]")
+
+
+def _end_to_end_rate(stats: dict) -> float | None:
+    """New tokens per second of prefill + decode (what a user waits for; compilation excluded)."""
+    seconds = stats["prefill_s"] + stats["decode_s"]
+    return stats["new_tokens"] / seconds if seconds > 0 and stats["new_tokens"] else None
+
+
+def speedups(ours: dict, base: dict) -> dict:
+    """``decode_speedup`` (decode tokens per second, speculative over target-only: the decoding loop alone) and
+    ``end_to_end_speedup`` (new tokens per second of prefill + decode: what the user waits for) of two runs'
+    :meth:`GenerateStats.to_dict`; a rate that cannot be measured (no tokens decoded) leaves its key out."""
+    out = {}
+    if ours["decode_tokens_per_s"] and base["decode_tokens_per_s"]:
+        out["decode_speedup"] = ours["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+    e2e = _end_to_end_rate(ours), _end_to_end_rate(base)
+    if e2e[0] and e2e[1]:
+        out["end_to_end_speedup"] = e2e[0] / e2e[1]
+    return out
+
+
+#: a mean acceptance length (tokens per verification, the bonus token included) below this is "low": most drafted
+#: tokens are rejected, and drafting them costs more than the few accepted ones save
+LOW_ACCEPTANCE = 1.5
+
+
+def speedup_note(report: dict, *, context: int, budget: int) -> str | None:
+    """One line on why a speedup of ``report`` (:func:`speedups`' keys, ``stats`` with the acceptance) is below 1,
+    or ``None`` when neither is: low acceptance, a context (prompt + new tokens) under the working-cache budget
+    (where a target step is cheap and drafting is not), or a prefill that the speculative path makes longer (it
+    also runs the draft) and too few new tokens to win back."""
+    d, e = report.get("decode_speedup"), report.get("end_to_end_speedup")
+    if (d is None or d >= 1) and (e is None or e >= 1):
+        return None
+    s, why = report["stats"], []
+    accept = s.get("mean_acceptance_length")
+    if accept is not None and accept < LOW_ACCEPTANCE:
+        why.append(f"low acceptance ({accept:.2f} tokens per verification, under {LOW_ACCEPTANCE}): the draft "
+                   f"predicts this text poorly, so most drafted tokens are wasted work")
+    if context < budget:
+        why.append(f"the context ({context} tokens) is under the working-cache budget ({budget} tokens): at this "
+                   f"length a target step reads little K/V and costs about as much as drafting, so speculation "
+                   f"saves little; it pays on long contexts (the embedded pair's built-in prompt is about 10K tokens)")
+    if d is not None and d >= 1 > (e or 0):
+        why.append("decoding was faster, but the speculative prefill also runs the draft (and DiffSpec's first "
+                   "retrieval), and too few new tokens won that back (raise --max-new-tokens)")
+    if not why:
+        why.append("drafting and verification cost more than the accepted tokens saved at this context and "
+                   "acceptance on this machine")
+    return "why below 1x: " + "; ".join(why)
+
+
+def _run_line(label: str, s: dict, finish_reason: str | None = None) -> str:
     rate = f" ({s['decode_tokens_per_s']:.1f} tok/s)" if s["decode_tokens_per_s"] else ""
-    lines = [f"new tokens {s['new_tokens']} (finish reason {report['finish_reason']}), time to first token "
-             f"{s['ttft_s']:.3f}s, prefill {s['prefill_s']:.3f}s, decode {s['decode_s']:.3f}s{rate}; compilation "
-             f"{report.get('compile_s', s['compile_s']):.2f}s (not in those times)"]
+    finish = f" (finish reason {finish_reason})" if finish_reason else ""
+    ttft = f"time to first token {s['ttft_s']:.3f}s, " if s.get("ttft_s") is not None else ""
+    return (f"{label}: new tokens {s['new_tokens']}{finish}, {ttft}prefill {s['prefill_s']:.3f}s, decode "
+            f"{s['decode_s']:.3f}s{rate}")
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The statistics the CLI prints on stderr after the text (``report`` as ``--json`` prints it): the run's
+    times, its drafting and retrieval counters and, with ``--compare``, target-only's times, both speedups
+    labelled, why one is below 1, and whether the outputs agree (and why they need not, under sampling)."""
+    s = report["stats"]
+    compared = "baseline" in report
+    label = "speculative" if s["num_speculative_tokens"] else "target-only"
+    compile_s = report.get("compile_s", s["compile_s"])
+    where = (f"in the two warm-up runs (one per path, {report['warmup_s']:.1f} s in all; --no-compare skips them)"
+             if compared and "warmup_s" in report else "")
+    lines = [f"{_run_line(label, s, report['finish_reason'])}; compilation {compile_s:.2f}s "
+             f"{where + ', ' if where else ''}not in those times"]
     if s["num_speculative_tokens"]:
         lines.append(f"policy {s['draft_context_policy']}, K={s['num_speculative_tokens']}, cycles "
                      f"{s['sequence_cycles']}, mean acceptance length {s['mean_acceptance_length']:.2f}, "
@@ -467,19 +579,35 @@ def _print_summary(report: dict) -> None:
         a = s["retrieval"]["aggregate"]
         lines.append(f"retrievals {a['retrievals']} (after prefill {a['retrievals_after_prefill']}), skipped not "
                      f"due {a['skipped_not_due']}, skipped fits {a['skipped_fits']}, {a['retrieval_ms']:.2f} ms each")
-    if "baseline" in report:
-        b = report["baseline"]
-        lines.append(f"target-only: {b['decode_tokens_per_s'] or 0:.1f} tok/s; speedup "
-                     f"{report.get('decode_speedup', float('nan')):.2f}x; identical output: "
-                     f"{report['identical_to_target_only']}")
-        div = report.get("divergence")
-        if div is not None:
-            verdict = ("a numerical near-tie, not a drafting error (see the README on greedy losslessness)"
-                       if div["near_tie"] else f"NOT a near-tie (> {NEAR_TIE_LOGIT_GAP}): a bug, please report it")
-            lines.append(f"first divergence at new token {div['new_token']}: the target's logits for its token "
-                         f"{div['target_only']} and ours {div['speculative']} differ by {div['logit_gap']:.4f} "
-                         f"({div['dtype']}): {verdict}")
-    print("\n".join(lines), file=sys.stderr)
+    if not compared:
+        return lines
+    lines.append(_run_line("target-only", report["baseline"]))
+    d, e = (f"{report[k]:.2f}x" if report.get(k) is not None else "n/a"
+            for k in ("decode_speedup", "end_to_end_speedup"))
+    lines.append(f"speedup over target-only: decode {d} (decode time alone), end to end {e} (prefill + decode)")
+    if report.get("speedup_note"):
+        lines.append(report["speedup_note"])
+    if report["identical_to_target_only"]:
+        lines.append("output identical to target-only" + (" (greedy decoding: lossless)" if report.get("greedy")
+                                                           else ""))
+    elif not report.get("greedy", True):
+        lines.append("output differs from target-only, as expected when sampling: each run draws its own random "
+                     "tokens; speculative sampling keeps the target's distribution, not its draws (--temperature 0 "
+                     "compares token for token)")
+    else:
+        lines.append("output differs from target-only")
+    div = report.get("divergence")
+    if div is not None:
+        verdict = ("a numerical near-tie, not a drafting error (see the README on greedy losslessness)"
+                   if div["near_tie"] else f"NOT a near-tie (> {NEAR_TIE_LOGIT_GAP}): a bug, please report it")
+        lines.append(f"first divergence at new token {div['new_token']}: the target's logits for its token "
+                     f"{div['target_only']} and ours {div['speculative']} differ by {div['logit_gap']:.4f} "
+                     f"({div['dtype']}): {verdict}")
+    return lines
+
+
+def _print_summary(report: dict) -> None:
+    print("\n".join(summary_lines(report)), file=sys.stderr)
 
 
 class _CallableModule(types.ModuleType):

@@ -5,8 +5,11 @@
   named error whose message says what to pass instead;
 * :func:`read_json_object` / :func:`read_text`: files read as UTF-8, a named error for anything unreadable;
 * :func:`check_generate_args`: the arguments of :func:`diffspec_jax.generate` besides prompts and configs;
-* :class:`ArgumentParser` (usage errors on one line, exit status 2) and :func:`report_error` (one line on
-  stderr, the exit status of :func:`diffspec_jax.errors.exit_code`), used by every command-line tool.
+* :class:`ArgumentParser` (usage errors on one line, exit status 2; every option's default in ``--help``; named
+  after the ``diffspec`` command that runs it) and :func:`report_error` (one line on stderr, the exit status of
+  :func:`diffspec_jax.errors.exit_code`), used by every command-line tool;
+* :func:`quiet_library_notices`: what every command calls first, so that libraries' import-time advice (transformers'
+  "PyTorch was not found") stays off its output.
 
 NumPy only (no JAX import), like :mod:`diffspec_jax.config`.
 """
@@ -14,9 +17,11 @@ NumPy only (no JAX import), like :mod:`diffspec_jax.config`.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import numbers
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
@@ -275,8 +280,55 @@ def one_line(text: str) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
+def quiet_library_notices() -> None:
+    """Keep libraries' import-time advice off a command's output; every command-line tool calls this first, before
+    anything imports transformers. transformers prints "PyTorch was not found. Models won't be available ..." on
+    import wherever torch is absent (this package needs only its tokenizers); its ``warning_advice`` messages stay
+    quiet while ``TRANSFORMERS_NO_ADVISORY_WARNINGS`` is set. A value the user set (even empty) is left alone, and
+    real warnings and errors still print."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def program_name(default: str, argv0: str | None = None) -> str:
+    """The name a tool's usage and ``--help`` show: ``default`` (``python -m diffspec_jax.generate``), unless the
+    process runs under a ``diffspec`` command: ``diffspec generate`` (the :mod:`diffspec_jax.cli` dispatcher sets
+    ``sys.argv[0]`` to that) or a console script such as ``diffspec-serve``."""
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    return name if name.startswith("diffspec") and not name.endswith(".py") else default
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default: ``(default: X)`` after its help, unless the help already says
+    (it mentions "default"), the option is a flag (off unless given) or its default is ``None`` (the help says
+    what that means)."""
+
+    @staticmethod
+    def _states_default(action: argparse.Action) -> bool:
+        d = action.default
+        return not (d is None or d is False or d is argparse.SUPPRESS or not action.option_strings
+                    or "default" in (action.help or "").lower())
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return super()._get_help_string(action) if self._states_default(action) else action.help or ""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and self._states_default(action):  # argparse prints nothing after an option without help
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose usage errors are one line on stderr (exit status 2)."""
+    """``argparse.ArgumentParser`` whose usage errors are one line on stderr (exit status 2), whose ``--help``
+    shows every option's default (:class:`HelpFormatter`) and whose name is :func:`program_name`'s (the
+    ``description``, often a module docstring's first line, names it so too, without its reST markup)."""
+
+    def __init__(self, *, prog: str | None = None, description: str | None = None, formatter_class=HelpFormatter,
+                 **kwargs):
+        name = program_name(prog) if prog else None
+        if description and prog:
+            description = description.replace(prog, name).replace("``", "")
+        super().__init__(prog=name, description=description, formatter_class=formatter_class, **kwargs)
 
     def error(self, message: str):  # noqa: D102  (argparse's hook)
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see --help)\n")

@@ -99,3 +99,12 @@ def test_method_sections_cited_in_code_exist():
     cited = {c.rstrip(".") for c in cited}
     assert cited, "no citation of docs/method.md found"
     assert cited <= headings, f"cited sections without a heading: {sorted(cited - headings)}"
+
+
+def test_readme_lists_every_diffspec_command():
+    from diffspec_jax.cli import COMMANDS  # no JAX import
+
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    listing = re.search(r"`diffspec --help` lists ([^)]*)\)", text)
+    assert listing, "the README's list of diffspec commands is gone"
+    assert set(re.findall(r"`([\w-]+)`", listing.group(1))) == set(COMMANDS)

@@ -49,7 +49,8 @@ def test_compare_policy_flags_and_summary(random_pair, capsys):
                          "--retrieval-interval", "2", "--prompt-ids", ",".join(str(i) for i in range(3, 60)),
                          "--ignore-eos", "--no-progress", "--dtype", "float32"], capsys)
     assert code == 0
-    assert "identical output: True" in out.err and "retrievals" in out.err and "RANDOM" in out.err
+    assert "output identical to target-only" in out.err and "retrievals" in out.err and "RANDOM" in out.err
+    assert "speedup over target-only: decode " in out.err and " end to end " in out.err
     assert len(out.out.split()) == 16  # streamed ids
 
 
@@ -70,16 +71,23 @@ def test_tree_mode_flags(random_pair, capsys):
 
 
 def test_embedded_demo_pair_with_a_text_prompt(capsys):
-    """No --target: the shipped trained pair, its tokenizer, DiffSpec, and the comparison with target-only."""
-    code, out = run_cli(["--prompt", "import os\n\ndef main(argv):\n    parser = ", "--max-new-tokens", "24",
-                         "--json", "--ignore-eos"], capsys)
+    """No --target: the shipped trained pair, its tokenizer, DiffSpec, and the comparison with target-only (both
+    speedups, each run's prefill, a reason when one is below 1); --no-compare runs the speculative path alone."""
+    args = ["--prompt", "import os\n\ndef main(argv):\n    parser = ", "--max-new-tokens", "24", "--ignore-eos"]
+    code, out = run_cli(args + ["--json"], capsys)
     assert code == 0, out.err
     rep = json.loads(out.out)
     assert rep["random_weights"] is False and rep["target"].endswith("demo/pair/target")
     assert rep["stats"]["draft_context_policy"] == "diffspec" and len(rep["ids"]) == 24
-    assert rep["identical_to_target_only"] is True and rep["decode_speedup"] > 0
+    assert rep["identical_to_target_only"] is True and rep["decode_speedup"] > 0 and rep["end_to_end_speedup"] > 0
+    assert rep["baseline"]["prefill_s"] > 0 and rep["warmup_s"] > 0
+    assert (rep["speedup_note"] is None) == (min(rep["decode_speedup"], rep["end_to_end_speedup"]) >= 1)
     assert isinstance(rep["text"], str) and rep["text"]
     assert rep["stats"]["mean_acceptance_length"] > 1.0  # a trained draft gets tokens accepted
+    code, out = run_cli(args + ["--no-compare"], capsys)  # compiled above: one more short run
+    assert code == 0, out.err
+    assert "speculative decoding, policy diffspec]" in out.err and "speculative: new tokens 24" in out.err
+    assert "target-only" not in out.err and "speedup" not in out.err and "warm-up" not in out.err
 
 
 def test_bad_input_is_a_clear_error(random_pair, tmp_path, capsys):
@@ -192,6 +200,11 @@ def test_prompt_from_standard_input_and_draft_without_target(monkeypatch, capsys
     code, out = run_cli(["--prompt", text] + args, capsys)
     assert code == 0, out.err
     want = json.loads(out.out)["ids"]
+    code, out = run_cli(["--prompt", text, "--max-new-tokens", "4", "--no-draft", "--ignore-eos", "--no-progress"],
+                        capsys)  # what --no-draft prints (compiled above)
+    assert code == 0, out.err
+    assert "target-only decoding (--no-draft): no draft, no comparison]" in out.err and "policy" not in out.err
+    assert "target-only: new tokens 4" in out.err and "speedup" not in out.err
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
     code, out = run_cli(["--prompt-file", "-"] + args, capsys)
     assert code == 0, out.err
@@ -296,6 +309,9 @@ def test_stop_strings_cut_the_output_exactly_and_stream_it(bpe_pair, capsys):
     assert code == 0, out.err
     assert out.out.encode() == (want + "\n").encode()
     assert "finish reason stop" in out.err and "time to first token" in out.err and "compilation" in out.err
+    # stderr is no terminal here: the progress bar's last state stays, and the statistics begin a line of their own
+    assert "tok/s]" in out.err
+    assert [ln[:24] for ln in out.err.split("\n") if "new tokens" in ln] == ["speculative: new tokens "]
 
 
 def test_library_stop_strings_texts_and_streams(bpe_pair):
@@ -428,3 +444,81 @@ def test_contradictory_options_are_usage_errors(args, needle, capsys):
     code, out = run_cli(args + ["--target", "/nonexistent"], capsys)
     assert code == 2 and needle in out.err and "Traceback" not in out.err
     assert len([ln for ln in out.err.splitlines() if ln.strip()]) == 1
+
+
+# ------------------------------------------------------------------ the summary: speedups, their reasons, the banner
+def _stats(new_tokens=64, prefill_s=1.0, decode_s=1.0, k=4, acceptance=2.5):
+    return {"new_tokens": new_tokens, "prefill_s": prefill_s, "decode_s": decode_s, "ttft_s": prefill_s,
+            "decode_tokens_per_s": (new_tokens - 1) / decode_s if decode_s else None, "compile_s": 0.0,
+            "num_speculative_tokens": k, "draft_context_policy": "diffspec" if k else None, "sequence_cycles": 9,
+            "mean_acceptance_length": acceptance if k else None, "acceptance_per_position": [5, 3, 2, 1]}
+
+
+def _cli():
+    import importlib
+
+    return importlib.import_module("diffspec_jax.generate")  # the CLI module (the package attribute may be the function)
+
+
+def _compared(ours, base, greedy=True, identical=True, context=10_000, budget=2048):
+    cli = _cli()
+    report = {"stats": ours, "baseline": base, "finish_reason": "length", "greedy": greedy,
+              "identical_to_target_only": identical, "compile_s": 3.0, "warmup_s": 20.0, **cli.speedups(ours, base)}
+    report["speedup_note"] = cli.speedup_note(report, context=context, budget=budget)
+    return report, "\n".join(cli.summary_lines(report))
+
+
+def test_summary_labels_both_speedups_with_each_runs_prefill():
+    """The issue-39 figures: prefill 15.2 s in both runs, decode 2.5 s against 6.3 s: decode 2.52x, end to end
+    1.22x, each labelled, each run's prefill printed, the warm-up runs named; no excuse line above 1."""
+    report, text = _compared(_stats(128, 15.2, 2.5), _stats(128, 15.2, 6.3, k=0))
+    assert report["decode_speedup"] == pytest.approx(6.3 / 2.5)
+    assert report["end_to_end_speedup"] == pytest.approx(21.5 / 17.7)
+    assert "speedup over target-only: decode 2.52x (decode time alone), end to end 1.21x (prefill + decode)" in text
+    lines = text.splitlines()
+    assert lines[0].startswith("speculative: new tokens 128") and "prefill 15.200s" in lines[0]
+    assert "in the two warm-up runs" in lines[0] and "--no-compare skips them" in lines[0]
+    assert any(ln.startswith("target-only: new tokens 128") and "prefill 15.200s, decode 6.300s" in ln
+               for ln in lines)
+    assert report["speedup_note"] is None and "why below 1x" not in text
+    assert "output identical to target-only (greedy decoding: lossless)" in text
+
+
+@pytest.mark.parametrize("ours, base, context, needles", [  # (new tokens, prefill s, decode s)
+    ((32, 0.01, 0.2), (32, 0.01, 0.1), 40, ["the context (40 tokens) is under the working-cache budget (2048"]),
+    ((32, 1.0, 0.2, 1.2), (32, 1.0, 0.1), 9000, ["low acceptance (1.20 tokens per verification"]),
+    ((32, 1.0, 0.2, 1.2), (32, 1.0, 0.1), 100, ["low acceptance", "under the working-cache budget"]),
+    ((4, 5.0, 0.05), (4, 1.0, 0.06), 9000, ["decoding was faster, but the speculative prefill"]),
+    ((32, 1.0, 0.2, 2.0), (32, 1.0, 0.1), 9000, ["cost more than the accepted tokens saved"]),
+])
+def test_a_speedup_below_one_is_explained_in_one_line(ours, base, context, needles):
+    report, text = _compared(_stats(*ours[:3], acceptance=(ours[3:] or (3.0,))[0]), _stats(*base, k=0),
+                             context=context)
+    assert min(report["decode_speedup"], report["end_to_end_speedup"]) < 1
+    notes = [ln for ln in text.splitlines() if ln.startswith("why below 1x: ")]
+    assert len(notes) == 1 and all(n in notes[0] for n in needles), notes
+
+
+def test_sampling_explains_differing_output_and_greedy_does_not():
+    _, text = _compared(_stats(), _stats(k=0), greedy=False, identical=False)
+    assert "output differs from target-only, as expected when sampling" in text
+    assert "identical" not in text and "False" not in text
+    _, text = _compared(_stats(), _stats(k=0), greedy=True, identical=False)
+    assert "output differs from target-only\n" in text + "\n" and "expected" not in text
+
+
+def test_demo_banner_and_when_to_compare():
+    cli = _cli()
+    pair = cli.demo.PAIR
+    target_only = cli.demo_banner(pair, 10, None)
+    assert "target-only decoding (--no-draft): no draft, no comparison" in target_only and "policy" not in target_only
+    assert "policy diffspec; then target-only decoding for the comparison" in cli.demo_banner(pair, 10, "diffspec",
+                                                                                               compare=True)
+    assert "comparison" not in cli.demo_banner(pair, 10, "recent", compare=False)
+    parse = cli.build_parser().parse_args
+    assert cli.compare_wanted(parse([]), embedded=True)
+    assert not cli.compare_wanted(parse(["--no-compare"]), embedded=True)
+    assert not cli.compare_wanted(parse(["--no-draft"]), embedded=True)
+    assert not cli.compare_wanted(parse([]), embedded=False) and cli.compare_wanted(parse(["--compare"]), False)
+    with pytest.raises(SystemExit):
+        parse(["--compare", "--no-compare"])

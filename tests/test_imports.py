@@ -178,3 +178,16 @@ def test_every_module_imports(module):
         if (exc.name or "").split(".")[0] in OPTIONAL:
             pytest.skip(f"{module} needs {exc.name}")
         raise
+
+
+def test_package_namespace_is_the_public_api():
+    """dir(diffspec_jax) lists the public API, not the helpers __init__ imports (Any, TYPE_CHECKING, importlib...);
+    nothing private either."""
+    import diffspec_jax
+
+    names = set(dir(diffspec_jax))
+    assert set(diffspec_jax.__all__) <= names and "__version__" in names
+    helpers = {"Any", "TYPE_CHECKING", "annotations", "importlib", "import_module"}
+    assert not names & helpers and not any(hasattr(diffspec_jax, n) for n in helpers)
+    assert not [n for n in names if n.startswith("_") and not n.endswith("__")]
+    assert diffspec_jax.SpecConfig().num_speculative_tokens >= 1  # an eager name; the lazy ones are in __all__
