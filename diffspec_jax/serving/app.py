@@ -224,8 +224,9 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
             raise P.APIError(400, f"the model {model_name!r} has no chat template (start the server with "
                                   f"--chat-template FILE), so /v1/chat/completions cannot render messages; use "
                                   f"/v1/completions", param="messages")
+        chat = body.chat()
         try:
-            text = apply_chat_template(tokenizer, body.chat(), template)
+            text = apply_chat_template(tokenizer, chat, template)
         except Exception as exc:  # noqa: BLE001  (jinja errors, raise_exception in templates)
             raise P.APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
         # as apply_chat_template(tokenize=True) does (the template writes the special tokens), a bounded prefix
