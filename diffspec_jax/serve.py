@@ -9,8 +9,11 @@ Examples::
 
 The server binds to ``--host`` (default 127.0.0.1, this machine only; pass ``--host 0.0.0.0`` to serve others,
 ideally with ``--api-key``). It loads the models, compiles every program (the warm-up) and then listens; see
-docs/serving.md for the endpoints, the limits, the metrics and the design. It exits with status 1 when its engine
-fails (every request in it is answered with an error first), for a supervisor to restart it.
+docs/serving.md for the endpoints, the limits, the metrics and the design. On a CPU it defaults to one sequence of
+384 tokens (:func:`engine_sizes`). The first Ctrl-C (SIGINT, or SIGTERM) stops accepting requests and finishes
+those in flight for up to ``--shutdown-timeout`` seconds, then aborts them; a second one aborts them at once. It
+exits with status 1 when its engine fails (every request in it is answered with an error first), for a supervisor
+to restart it.
 """
 
 from __future__ import annotations
@@ -166,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
               f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     except (DiffspecError, OSError) as exc:
         return report_error(exc)
+    except KeyboardInterrupt:  # Ctrl-C while loading or compiling (once it listens, the server handles signals)
+        print("[diffspec-serve] interrupted before the server started", file=sys.stderr, flush=True)
+        return 130
     status = run_server(app, engine, limits, host=args.host, port=args.port, log_level=args.log_level)
     if status:
         print(f"[diffspec-serve] the engine failed ({type(engine.error).__name__}: {engine.error}); exiting with "

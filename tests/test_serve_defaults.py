@@ -229,7 +229,7 @@ def test_shutdown_timer_aborts_what_is_left(capsys):
 
     async def scenario(timeout, signals):
         engine = Engine()
-        server = GracefulServer(uvicorn.Config(app=None), engine, timeout)
+        server = GracefulServer(uvicorn.Config(app=None, log_config=None), engine, timeout)
         server._loop = asyncio.get_running_loop()
         seen = []
         for sig in signals:

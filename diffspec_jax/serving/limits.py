@@ -228,14 +228,18 @@ class GracefulServer(uvicorn.Server):
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._on_signal, sig, self.signals)
 
+    def _in_flight(self) -> str:
+        """``"N request(s)"`` in the engine (running or waiting), or ``""`` when there are none."""
+        m = self.engine.metrics()
+        n = m["requests_running"] + m["requests_waiting"]
+        return f"{n} request{'s' if n != 1 else ''}" if n else ""
+
     def _on_signal(self, sig: int, nth: int) -> None:
         name = signal.Signals(sig).name
         if nth == 1:
-            m = self.engine.metrics()
-            n = m["requests_running"] + m["requests_waiting"]
-            if n:
-                _say(f"{name}: not accepting new requests; finishing {n} request{'s' if n != 1 else ''} "
-                     f"(Ctrl-C again to abort); those still running in {self.shutdown_timeout:g} s are aborted")
+            if n := self._in_flight():
+                _say(f"{name}: not accepting new requests; finishing {n} (Ctrl-C again to abort); those still "
+                     f"running in {self.shutdown_timeout:g} s are aborted")
             else:
                 _say(f"{name}: no requests in flight; stopping")
             self._loop.call_later(self.shutdown_timeout, self._abort, f"after {self.shutdown_timeout:g} s "
@@ -249,10 +253,8 @@ class GracefulServer(uvicorn.Server):
         if self._aborted:
             return
         self._aborted = True
-        m = self.engine.metrics()
-        n = m["requests_running"] + m["requests_waiting"]
-        if n:
-            _say(f"aborting {n} request{'s' if n != 1 else ''} {why}")
+        if n := self._in_flight():
+            _say(f"aborting {n} {why}")
         self.engine.abort_all()
         self._loop.call_later(ABORT_GRACE_S, setattr, self, "force_exit", True)
 
@@ -261,8 +263,8 @@ def run_server(app, engine, limits: HTTPLimits, *, host: str = "127.0.0.1", port
                log_level: str = "warning", sock: socket.socket | None = None) -> int:
     """Serve ``app`` (with :class:`BodyLimits` around it; ``engine``, its :class:`SlotEngine`, started) under
     uvicorn with ``limits`` until a signal (then shut down as :class:`GracefulServer` says, within
-    ``limits.shutdown_timeout`` + :data:`ABORT_GRACE_S` seconds), or until the engine fails. Returns the exit status: 1
-    if the engine failed, else 0. ``sock``: a bound socket to serve on instead of ``host:port``.
+    ``limits.shutdown_timeout`` + :data:`ABORT_GRACE_S` seconds), or until the engine fails. Returns the exit
+    status: 1 if the engine failed, else 0. ``sock``: a bound socket to serve on instead of ``host:port``.
 
     The engine's failure hook (:attr:`SlotEngine.on_failure`, called on the engine thread once its requests have
     been failed and ``/health`` answers 503) stops the server, after calling the hook the engine had before.
