@@ -134,14 +134,11 @@ def add_model_arguments(ap) -> None:
                          "which made bfloat16 decoding of the demo pair 3x slower than float32 on a 2-core CPU)")
 
 
-def model_dirs(args, *, self_draft_ok: bool = False) -> tuple[Path, Path | None, bool]:
+def model_dirs(args) -> tuple[Path, Path | None, bool]:
     """``(target_dir, draft_dir or None, embedded)`` from :func:`add_model_arguments`' options (no ``--target``:
-    the embedded demo pair). ``--draft self`` (the target drafts for itself: no draft directory, with or without
-    ``--target``) is refused unless ``self_draft_ok``."""
+    the embedded demo pair). ``--draft self`` (the target drafts for itself) gives no draft directory, with or
+    without ``--target``."""
     self_draft = args.draft == engine.SELF
-    if self_draft and not self_draft_ok:
-        raise ConfigError("--draft self (self-drafting) is not supported by this command; python -m "
-                          "diffspec_jax.generate runs it")
     embedded = args.target is None
     if embedded and args.draft is not None and not self_draft:
         raise ConfigError("--draft needs --target (the draft is bound to its target); without --target the "
@@ -306,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         check_option_combinations(args, given_options(argv))
         text = _prompt_text(args)  # before any model is loaded: a bad prompt file fails at once
         self_draft = args.draft == engine.SELF and not args.no_draft
-        target_dir, draft_dir, embedded = model_dirs(args, self_draft_ok=True)
+        target_dir, draft_dir, embedded = model_dirs(args)
         args.compare = compare_wanted(args, embedded)
         spec = spec_from_args(args, args.draft_tp)
         policy = spec.context.policy

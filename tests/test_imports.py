@@ -27,6 +27,7 @@ OPTIONAL = {
     "fastapi": "the server stack (serve extra)", "starlette": "the server stack (serve extra)",
     "uvicorn": "the server stack (serve extra)", "pydantic": "the server stack (serve extra)",
     "prometheus_client": "the server stack (serve extra)",
+    "jinja2": "chat templates (serve extra): the server names it when it is missing",
 }
 
 #: (importing module or package, imported module prefix) -> why it is imported inside a function

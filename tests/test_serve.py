@@ -693,6 +693,18 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, client, pa
         ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
          "messages.0.content.0.text", None),
         ("completions", {"prompt": "def f(x): return x\n" * 1200}, 400, "prompt", "context_length_exceeded"),
+        # issue 39: what the server does not do is refused, never ignored
+        ("completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format", None),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}}, 400,
+         "response_format", None),
+        ("completions", {"prompt": "x", "max_completion_tokens": 5}, 400, "max_completion_tokens", None),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo", None),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "suffix": "y"}, 400, "suffix", None),
+        ("completions", {"prompt": "x", "foo": 1}, 400, "foo", None),
+        ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "foo": 1}, 400, "foo", None),
+        ("completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "foo": 1}}, 400,
+         "stream_options.foo", None),
     ]
     for path, body, status, param, code in cases:
         r = post(path, body)
@@ -700,9 +712,13 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, client, pa
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], err
         assert (param is None or err["param"] == param) and (code is None or err["code"] == code), err
+    assert "/v1/completions takes max_tokens" in post("completions", {"prompt": "x", "max_completion_tokens": 5}
+                                                      ).json()["error"]["message"]
     r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers={**headers, "Content-Type":
                                                                                "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] is None, err
+    assert "not valid JSON" in err["message"], err
     # a lone surrogate (JSON escape) in a prompt: 400, and the keep-alive connection serves the next request
     with httpx.Client(headers=headers, timeout=60) as http:
         for path in ("completions", "chat/completions"):
@@ -717,7 +733,7 @@ def test_bad_requests_get_errors_and_the_server_keeps_serving(server, client, pa
         client.completions.create(model="diffspec-demo", prompt="x", max_tokens=MAX_LEN + 1)
     # still serving, and what it serves is right
     out = client.completions.create(model="diffspec-demo", prompt=prompts[1], max_tokens=8, temperature=0,
-                                    extra_body={"ignore_eos": True})
+                                    extra_body={"ignore_eos": True, "response_format": {"type": "text"}})
     assert out.choices[0].text == pair[2].decode(_reference(pair, prompts[1], 8, stop_token_ids=()),
                                                  skip_special_tokens=True)
 

@@ -23,6 +23,9 @@ Steps, all recorded in ``DIR/model_card.json``:
    check that every output equals target-only output, and for ``recall`` how much of the file the target copies;
 6. the demo prompt: the opening of a held-out module (``argparse``), >= 8K tokens.
 
+The target's tokenizer carries :data:`CHAT_TEMPLATE` (``target/chat_template.jinja``), so the server's chat
+endpoint works on the pair out of the box.
+
 Every setting is checked before anything is read or written. ``--out`` is written safely
 (:class:`diffspec_jax.outdir.OutputDir`): into ``OUT.partial`` (kept if the build fails), renamed into place at the
 end with ``diffspec_manifest.json`` digests in ``OUT``, ``OUT/target`` and ``OUT/draft`` (``load_target`` /
@@ -58,6 +61,19 @@ from diffspec_jax.target import TargetModel, load_target
 from diffspec_jax.train_draft import export_draft, train_draft
 from diffspec_jax.training import OptimConfig, TokenStream, train_target
 from diffspec_jax.validation import ArgumentParser, check_choice, check_int, run_main
+
+#: the pair's chat template (written as ``target/chat_template.jinja``): the target is a small model of Python
+#: source, so a conversation is rendered as Python, the user's and system's messages as comments and the
+#: assistant's as code; the answer continues after the last message
+CHAT_TEMPLATE = """{#- the demo pair: user and system messages as Python comments, the assistant's as code -#}
+{%- for message in messages -%}
+{%- if message['role'] == 'assistant' -%}
+{{ message['content'] }}
+{% else -%}
+# {{ message['role'] }}: {{ message['content'] | replace('\\n', '\\n# ') }}
+{% endif -%}
+{%- endfor -%}
+"""
 
 CONTEXTS = (2048, 8192, 16384)
 POLICIES = ("full", "recent", "diffspec")
@@ -356,6 +372,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     card["data"] = {k: v for k, v in corpus.manifest.items() if k != "files"}
     (out / "corpus_files.json").write_text(json.dumps(corpus.manifest["files"]) + "\n")
     tok = init_tok if args.init_target else train_tokenizer([d.text for d in corpus.train], args.vocab)
+    tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(out / "target")
     eos = tok.eos_token_id
     encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from diffspec_jax.errors import InputError
+from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.serving import protocol as P
 from diffspec_jax.serving.scheduler import EngineStopped, Event, QueueFull, SamplingParams, SlotEngine
 from diffspec_jax.serving.scheduler import Request as EngineRequest
@@ -74,12 +74,58 @@ def _validation_error(errors: list[dict[str, Any]]) -> P.APIError:
         return ".".join(str(x) for x in e.get("loc", ()) if isinstance(x, int) or (
             x != "body" and re.fullmatch(r"[A-Za-z_]\w*", x) and x not in _TYPE_TAGS)) or "body"
 
+    bad_json = [e for e in errors if e.get("type") == "json_invalid"]
+    if bad_json:  # (its location is a character offset, no field)
+        e = bad_json[0]
+        where = e.get("loc", ())[-1]
+        return P.APIError(400, f"the request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}"
+                               + (f" (at character {where})" if isinstance(where, int) else ""), param=None)
     mismatch = lambda e: e.get("type", "").endswith("_type")  # noqa: E731
     told = {path(e).split(".")[0] for e in errors if not mismatch(e)}
     errors = [e for e in errors if not (mismatch(e) and path(e).split(".")[0] in told)]
-    message = "; ".join(f"{path(e)}: {e.get('msg')}" for e in errors[:5])
+    said = lambda e: P.unknown_field(path(e)) if e.get("type") == "extra_forbidden" else \
+        f"{path(e)}: {e.get('msg')}"  # noqa: E731
+    message = "; ".join(said(e) for e in errors[:5])
     return P.APIError(400, f"invalid request: {message}", param=path(errors[0]) if errors else None)
 
+
+#: the conversation the server renders with its chat template before it starts (one user turn: every template
+#: takes it, including those that refuse a system message)
+SAMPLE_CHAT = ({"role": "user", "content": "Write a function that parses a date."},)
+
+
+def apply_chat_template(tokenizer, chat: list[dict[str, Any]], template: str) -> str:
+    """``chat`` rendered by ``template`` with the generation prompt (transformers' ``apply_chat_template``)."""
+    return tokenizer.apply_chat_template(list(chat), add_generation_prompt=True, tokenize=False,
+                                         chat_template=template)
+
+
+def check_chat_template(tokenizer, template: str | None, source: str) -> str | None:
+    """Render :data:`SAMPLE_CHAT` with ``template`` (else the tokenizer's own) and return the text, or ``None``
+    when there is no template (chat requests then get a 400 saying so).
+
+    Raises:
+        ConfigError: naming the cause: jinja2 is not installed, or the template (from ``source``) fails to
+            render the sample conversation (a syntax error, a ``raise_exception``, ...).
+    """
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        return None
+    try:
+        import jinja2  # noqa: F401  (what transformers renders chat templates with)
+    except ImportError:
+        raise ConfigError(f"the chat template ({source}) needs jinja2, which is not installed: pip install "
+                          f"'diffspec-jax[serve]' (or pip install 'jinja2>=3.1')") from None
+    try:
+        text = apply_chat_template(tokenizer, list(SAMPLE_CHAT), template)
+    except Exception as exc:  # noqa: BLE001  (jinja's errors, raise_exception, transformers' ImportError)
+        raise ConfigError(f"the chat template ({source}) cannot render a sample conversation "
+                          f"{list(SAMPLE_CHAT)}: {type(exc).__name__}: {exc}; fix the template or pass "
+                          f"--chat-template FILE") from None
+    if not isinstance(text, str) or not text:
+        raise ConfigError(f"the chat template ({source}) renders the sample conversation {list(SAMPLE_CHAT)} as "
+                          f"{text!r}, not a text; fix the template or pass --chat-template FILE")
+    return text
 
 
 def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str | None = None,
@@ -180,8 +226,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
                                   f"/v1/completions", param="messages")
         chat = body.chat()
         try:
-            text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
-                                                 chat_template=template)
+            text = apply_chat_template(tokenizer, chat, template)
         except Exception as exc:  # noqa: BLE001  (jinja errors, raise_exception in templates)
             raise P.APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
         # as apply_chat_template(tokenize=True) does (the template writes the special tokens), a bounded prefix
@@ -224,8 +269,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
                     texts.append(ev.text or "")
                 elif ev.kind == "error":
                     raise P.APIError(ev.status or 500, ev.message or "failed", ev.error_type or "internal_error")
-                else:  # "abort" (the server is stopping) is no OpenAI finish reason
-                    ev.finish_reason = ev.finish_reason if ev.finish_reason in ("stop", "length") else None
+                else:  # "stop", "length", or "abort" (the server shut down before the request had finished)
                     return "".join(texts), ev
         finally:
             gone.cancel()
@@ -248,7 +292,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
                     return
                 else:
                     finished = True
-                    yield _sse(chunk(None, ev.finish_reason if ev.finish_reason in ("stop", "length") else None))
+                    yield _sse(chunk(None, ev.finish_reason))
                     if include_usage:
                         usage = P.Usage.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens).model_dump()
                         yield _sse({**chunk(None, None), "choices": [], "usage": usage})

@@ -14,14 +14,19 @@ What a client can hold of the server is bounded (docs/serving.md, "Limits and fa
   request beyond it is answered 503; a connection opened beyond it gets 503 and is closed at once).
 
 :func:`run_server` serves the application and returns the process's exit status: 1 when the engine failed, which
-stops the server (so that a supervisor restarts the process), else 0.
+stops the server (so that a supervisor restarts the process), else 0. It shuts down in two steps
+(:class:`GracefulServer`): the first SIGINT or SIGTERM stops accepting requests and lets those in flight finish
+for up to :attr:`HTTPLimits.shutdown_timeout` seconds, then aborts them (``finish_reason`` ``"abort"``); a second
+signal aborts them at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
+import sys
 from dataclasses import dataclass
 
 import h11
@@ -36,8 +41,8 @@ REQUEST_BYTES_BASE = 1 << 20
 #: request bytes allowed per token of ``max_model_len``: a token of text is a few characters, each at most 6 bytes
 #: as a JSON ``\\uXXXX`` escape; a token id is at most 11 bytes as JSON
 REQUEST_BYTES_PER_TOKEN = 64
-#: seconds uvicorn waits for in-flight requests once the server stops (a signal, or the engine failed)
-GRACEFUL_SHUTDOWN_S = 10
+#: seconds aborted requests get to send their last event before the server exits anyway
+ABORT_GRACE_S = 3.0
 
 
 def default_max_request_bytes(max_model_len: int) -> int:
@@ -58,6 +63,8 @@ class HTTPLimits:
         body_timeout: seconds for a request's whole body, from its headers [60]; past it: 408.
         keep_alive_timeout: seconds an idle keep-alive connection stays open [5].
         max_connections: open connections at most [512]; beyond it: 503.
+        shutdown_timeout: seconds the requests in flight may take to finish after the first SIGINT / SIGTERM
+            [10]; then they are aborted (:class:`GracefulServer`).
     """
 
     max_request_bytes: int | None = None
@@ -65,12 +72,14 @@ class HTTPLimits:
     body_timeout: float = 60.0
     keep_alive_timeout: float = 5.0
     max_connections: int = 512
+    shutdown_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         check_int(self.max_request_bytes, "max_request_bytes", min=1, none_ok=True)
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
             check_real(getattr(self, name), name, min=0.0, min_open=True)
         check_int(self.max_connections, "max_connections", min=1)
+        check_real(self.shutdown_timeout, "shutdown_timeout", min=0.0)
 
 
 def _error_json(message: str, code: str) -> bytes:
@@ -187,11 +196,75 @@ def timed_h11_protocol(header_timeout: float, max_connections: int) -> type[H11P
     return TimedH11Protocol
 
 
+def _say(message: str) -> None:
+    print(f"[diffspec-serve] {message}", file=sys.stderr, flush=True)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with this server's shutdown. The first SIGINT or SIGTERM stops accepting connections
+    (uvicorn closes the listening socket and idle keep-alive connections), says how many requests it is finishing,
+    and aborts those still running ``shutdown_timeout`` seconds later (:meth:`SlotEngine.abort_all`: each ends with
+    ``finish_reason`` ``"abort"`` and the text it had). A second signal aborts them at once. Once aborted, requests
+    get :data:`ABORT_GRACE_S` seconds to send their last event; then the server exits whatever is left.
+
+    The signal handler only records the signal: the work runs on the event loop (the handler may interrupt the
+    main thread while it holds the engine's lock). Unlike uvicorn's, it does not raise the signal again once the
+    server has stopped, so the process exits with :func:`run_server`'s status, not a ``KeyboardInterrupt``."""
+
+    def __init__(self, config: uvicorn.Config, engine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine, self.shutdown_timeout = engine, shutdown_timeout
+        self.signals = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._aborted = False
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.signals += 1
+        self.should_exit = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_signal, sig, self.signals)
+
+    def _in_flight(self) -> str:
+        """``"N request(s)"`` in the engine (running or waiting), or ``""`` when there are none."""
+        m = self.engine.metrics()
+        n = m["requests_running"] + m["requests_waiting"]
+        return f"{n} request{'s' if n != 1 else ''}" if n else ""
+
+    def _on_signal(self, sig: int, nth: int) -> None:
+        name = signal.Signals(sig).name
+        if nth == 1:
+            if n := self._in_flight():
+                _say(f"{name}: not accepting new requests; finishing {n} (Ctrl-C again to abort); those still "
+                     f"running in {self.shutdown_timeout:g} s are aborted")
+            else:
+                _say(f"{name}: no requests in flight; stopping")
+            self._loop.call_later(self.shutdown_timeout, self._abort, f"after {self.shutdown_timeout:g} s "
+                                                                      f"(--shutdown-timeout)")
+        elif nth == 2:
+            self._abort(f"on the second {name}")
+        else:
+            self.force_exit = True
+
+    def _abort(self, why: str) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        if n := self._in_flight():
+            _say(f"aborting {n} {why}")
+        self.engine.abort_all()
+        self._loop.call_later(ABORT_GRACE_S, setattr, self, "force_exit", True)
+
+
 def run_server(app, engine, limits: HTTPLimits, *, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "warning", sock: socket.socket | None = None) -> int:
     """Serve ``app`` (with :class:`BodyLimits` around it; ``engine``, its :class:`SlotEngine`, started) under
-    uvicorn with ``limits`` until a signal, or until the engine fails. Returns the exit status: 1 if the engine
-    failed, else 0. ``sock``: a bound socket to serve on instead of ``host:port``.
+    uvicorn with ``limits`` until a signal (then shut down as :class:`GracefulServer` says, within
+    ``limits.shutdown_timeout`` + :data:`ABORT_GRACE_S` seconds), or until the engine fails. Returns the exit
+    status: 1 if the engine failed, else 0. ``sock``: a bound socket to serve on instead of ``host:port``.
 
     The engine's failure hook (:attr:`SlotEngine.on_failure`, called on the engine thread once its requests have
     been failed and ``/health`` answers 503) stops the server, after calling the hook the engine had before.
@@ -200,8 +273,8 @@ def run_server(app, engine, limits: HTTPLimits, *, host: str = "127.0.0.1", port
     config = uvicorn.Config(BodyLimits(app, max_bytes, limits.body_timeout), host=host, port=port,
                             log_level=log_level, http=timed_h11_protocol(limits.header_timeout, limits.max_connections),
                             timeout_keep_alive=limits.keep_alive_timeout, limit_concurrency=limits.max_connections + 1,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=limits.shutdown_timeout + ABORT_GRACE_S)
+    server = GracefulServer(config, engine, limits.shutdown_timeout)
     before = engine.on_failure
 
     def stop(exc: BaseException) -> None:

@@ -2,8 +2,11 @@
 
 Requests follow the OpenAI completions and chat completions APIs, plus the sampling keys vLLM adds (``top_k``,
 ``stop_token_ids``, ``ignore_eos``). Fields this server does not implement (``logprobs``, ``echo``, ``suffix``,
-penalties, ``n`` other than 1, ...) are refused with HTTP 400 when set to anything but their neutral value; keys
-it does not know are ignored, as the OpenAI API ignores them. Types are strict (``"0.5"`` is not a number,
+penalties, ``n`` other than 1, ``response_format`` other than text, ...) are refused with HTTP 400 when set to
+anything but their neutral value, and so is every key a request model does not declare (``extra="forbid"``; the
+other endpoint's fields, such as ``max_completion_tokens`` on completions, get a message saying so:
+:data:`FIELD_HINTS`), as the OpenAI API and vLLM refuse them: a client is never answered as if a field it sent had
+been applied. Types are strict (``"0.5"`` is not a number,
 ``true`` is not an integer). Every number must fit the type the device holds it in (:data:`INT32_MAX`,
 :data:`FLOAT32_MAX`; no NaN or infinity), and every string must be valid Unicode (no lone surrogate such as
 ``"\\ud800"``, which no tokenizer can encode): a request outside these is a 400 naming the field, never a failure in
@@ -68,11 +71,42 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+#: what the 400 for a key a request does not take says, for keys a client may well send (the other endpoint's
+#: fields, OpenAI's tool calling, vLLM's further sampling keys); any other key gets :func:`unknown_field`'s message
+FIELD_HINTS = {
+    "max_completion_tokens": "max_completion_tokens is a /v1/chat/completions field; /v1/completions takes "
+                             "max_tokens",
+    "echo": "echo is a /v1/completions field (not supported there either)",
+    "suffix": "suffix is a /v1/completions field (not supported there either)",
+    "best_of": "best_of is a /v1/completions field (only 1 is supported there)",
+    "top_logprobs": "top_logprobs is a /v1/chat/completions field (logprobs are not supported)",
+    **{k: f"{k}: tool and function calling are not supported" for k in (
+        "tool_choice", "parallel_tool_calls", "functions", "function_call")},
+    **{k: f"{k} is not supported (this server samples with temperature, top_p, top_k, seed and stops only)"
+       for k in ("min_p", "repetition_penalty", "length_penalty", "min_tokens", "use_beam_search")},
+}
+
+
+def unknown_field(path: str) -> str:
+    """The message of the 400 for a key that a request (or a part of it, at ``path``: ``foo``,
+    ``stream_options.foo``) does not take."""
+    return FIELD_HINTS.get(path, f"unknown field {path!r}: this server does not take it (docs/serving.md lists the "
+                                 f"fields of each endpoint)")
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: only ``{"type": "text"}`` (plain text, the default) is served."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    type: Text
 
 
 class _SamplingRequest(_Strict):
@@ -94,6 +128,7 @@ class _SamplingRequest(_Strict):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # OpenAI's ranges (refused unless 0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    response_format: ResponseFormat | None = None
     user: Text | None = None
 
     def check_supported(self) -> None:
@@ -106,6 +141,10 @@ class _SamplingRequest(_Strict):
                 raise APIError(400, f"{key} is not supported (leave it unset or 0)", param=key)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, f"response_format {self.response_format.type!r} is not supported: this server "
+                                f"generates plain text (no JSON mode, no structured outputs); leave response_format "
+                                f"out or use type 'text'", param="response_format")
         stops = self.stop_strings()
         if len(stops) > MAX_STOP_STRINGS:
             raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", param="stop")
@@ -158,6 +197,11 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ContentPart(_Strict):
+    """A part of a message's content; its other keys (``image_url``, ...) are let through, so that a part of
+    another type is refused for its type (:meth:`ChatMessage.text`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
     type: Text
     text: Text | None = None
 
@@ -216,6 +260,10 @@ class ChatCompletionRequest(_SamplingRequest):
         return out
 
 
+#: why a choice ended: an EOS or stop id or string, ``max_tokens``, or the server aborting it as it shuts down
+FinishReason = Literal["stop", "length", "abort"]
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
@@ -239,7 +287,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -260,7 +308,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -281,7 +329,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -519,6 +519,11 @@ class SlotEngine:
         ``finish_reason="abort"`` unless it had finished."""
         self._inbox.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Cancel every request submitted so far (thread-safe), as :meth:`abort` cancels one: a server shutting
+        down ends the requests it stopped waiting for."""
+        self._inbox.put(("abort_all", None))
+
     def metrics(self) -> dict[str, Any]:
         """A snapshot of the engine's gauges and counters (thread-safe)."""
         now = time.monotonic()
@@ -682,6 +687,9 @@ class SlotEngine:
                 self._waiting.append(item)
             elif kind == "abort":
                 self._abort(item)
+            elif kind == "abort_all":
+                for req in list(self._waiting) + [r for r in self.slots if r is not None]:
+                    self._finish(req, "abort", release=True)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
