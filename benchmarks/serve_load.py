@@ -809,8 +809,12 @@ def run_pressure(args, limit_s: float | None) -> dict:
     def body(url, out):
         from benchmarks.long_context import shapes
 
-        out["server"] = run_load(url, make_requests(load, shapes(args.quick)[0].vocab_size), load, ids_text=True,
-                                 keep_answers=True)
+        import httpx
+
+        prompts = make_requests(load, shapes(args.quick)[0].vocab_size)
+        out["server"] = run_load(url, prompts, load, ids_text=True, keep_answers=True)
+        out["server"]["preempted"] = [httpx.get(f"{url}/bench/cached", params={"key": prompt_key(p)}, timeout=30)
+                                      .json().get("preemptions") for p in prompts]
 
     out = serve(args.pressure_policy, load, extra, limit_s, body)
     out.update(workload="pressure", max_num_seqs=args.pressure_seqs, pool_tokens=args.pressure_pool_tokens)
@@ -833,8 +837,11 @@ def pressure_check(run: dict) -> dict | None:
         if a is not None and a != r:
             differ[i] = next((j for j, (x, y) in enumerate(zip(a, r)) if x != y), min(len(a), len(r)))
     paging = srv.get("paging") or {}
+    preempted = srv.get("preempted") or [None] * len(answers)
     out = {"requests": len(answers), "completed": sum(a is not None for a in answers),
            "equal": sum(a is not None and a == r for a, r in zip(answers, ref)), "first_difference": differ,
+           "preempted_requests": sum(bool(n) for n in preempted),
+           "differing_preempted": [bool(preempted[i]) for i in differ],
            "preemptions": paging.get("preemptions"), "kv_blocks_used_idle": paging.get("kv_blocks_used_after")}
     out["ok"] = (out["completed"] == out["equal"] == len(answers) and bool(out["preemptions"])
                  and out["kv_blocks_used_idle"] == 0)
