@@ -53,6 +53,20 @@ def check_int(value: Any, name: str, *, min: int | None = None, max: int | None 
     return int(value)
 
 
+
+#: the page sizes a paged K/V cache takes (tokens per page): powers of two in this range
+PAGE_SIZES = (16, 256)
+
+
+def check_page_size(value: Any, name: str = "page_size") -> int:
+    """``value`` as an ``int`` if it is a power of two in :data:`PAGE_SIZES`' range, else a ConfigError naming
+    ``name``."""
+    lo, hi = PAGE_SIZES
+    check_int(value, name, min=lo, max=hi)
+    if value & (value - 1):
+        raise ConfigError(f"{name} must be a power of two from {lo} to {hi}, got {value}")
+    return int(value)
+
 def check_real(value: Any, name: str, *, min: float | None = None, max: float | None = None,
                min_open: bool = False, max_open: bool = False, none_ok: bool = False,
                error: type[DiffspecError] = ConfigError, hint: str = "") -> float | None:

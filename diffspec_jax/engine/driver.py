@@ -37,7 +37,7 @@ from diffspec_jax.engine.prefix_cache import PrefixCache
 from diffspec_jax.engine.state import Plan, shared_pools, with_pools
 from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.stopping import FINISH_LENGTH, FINISH_STOP, SequenceText
-from diffspec_jax.validation import check_generate_args, check_int, check_text_args
+from diffspec_jax.validation import check_generate_args, check_page_size, check_text_args
 from diffspec_jax.models import ensure_tree_supported
 from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts
 from pallas_kernels.common import use_kernels
@@ -191,9 +191,7 @@ def _paging(page_size: int | None, capacity: int, batch: int, mesh: Mesh | None)
     of the attention tile, is one of the page size)."""
     if page_size is None:
         return None
-    check_int(page_size, "page_size", min=16, max=256)
-    if page_size & (page_size - 1):
-        raise ConfigError(f"page_size must be a power of two from 16 to 256, got {page_size}")
+    check_page_size(page_size)
     if mesh is not None and sharding.mesh_size(mesh, sharding.DP) > 1:
         raise ConfigError("a paged cache (page_size) holds one pool for the whole batch: use a mesh without "
                           "data parallelism (dp=1)")

@@ -22,7 +22,7 @@ import numpy as np
 
 from diffspec_jax.errors import ConfigError, InputError
 from diffspec_jax.paging import OutOfPages, PageManager, PageStats
-from diffspec_jax.validation import check_int
+from diffspec_jax.validation import check_int, check_page_size
 
 
 @dataclass
@@ -45,9 +45,7 @@ class PrefixCache:
 
     def __init__(self, num_pages: int, page_size: int = 64):
         check_int(num_pages, "num_pages", min=1)
-        check_int(page_size, "page_size", min=16, max=256)
-        if page_size & (page_size - 1):
-            raise ConfigError(f"page_size must be a power of two from 16 to 256, got {page_size}")
+        check_page_size(page_size)
         self.num_pages, self.page_size = int(num_pages), int(page_size)
         self._key = None
         self._manager: PageManager | None = None
@@ -60,25 +58,20 @@ class PrefixCache:
         """The pool's pages and the prefix counters (tokens queried / served from cache), ``None`` before a call."""
         return None if self._manager is None else self._manager.stats
 
-    def _bind(self, key: tuple, lookahead: int) -> PageManager:
+    def _bind(self, key: str, lookahead: int) -> PageManager:
         if self._key != key or self._open:  # another model pair, dtype or layout, or a call that failed: start empty
             self._open = []
             self._key, self.pools = key, ()
-            self._manager = PageManager(self.num_pages, self.page_size, namespace=repr(key), lookahead=lookahead)
+            self._manager = PageManager(self.num_pages, self.page_size, namespace=key, lookahead=lookahead)
         return self._manager
 
     def admit(self, plan, prompts: list, reserve: int, target_dtype) -> _Run:
         """Pages for each prompt of a call (reusing cached ones) and its page table; all or nothing."""
-        tc = plan.target
-        store = plan.draft is not None and plan.spec.uses_working_cache
-        if tc.is_hybrid or (plan.draft is not None and not plan.spec.uses_working_cache) or (
-                plan.diffspec and plan.spec.context.needs_summaries):
+        if not plan.prefix_reusable:
             raise ConfigError("a prefix cache reuses pages, but this run keeps per-sequence state outside them (a "
                               "hybrid target's recurrent states, the draft's 'full' policy or the salience scorer's "
                               "chunk summaries): run it without prefix_cache")
-        key = (repr(tc), repr(plan.draft), str(np.dtype(target_dtype)), plan.self_draft, store, plan.tp,
-               plan.draft_tp)
-        manager = self._bind(key, 1 if store else 0)
+        manager = self._bind(plan.prefix_namespace(target_dtype), plan.page_lookahead)
         self._calls += 1
         ids = [(self._calls, b) for b in range(len(prompts))]
         table = np.full((len(prompts), plan.capacity // self.page_size), self.num_pages, np.int32)

@@ -152,6 +152,31 @@ class Plan:
         return (self.draft is not None or self.self_draft) and self.spec.context.policy == "diffspec"
 
     @property
+    def draft_store(self) -> bool:
+        """Whether an EAGLE-3 draft keeps a store of entries per position (its working-cache policies), paged beside
+        the target's K/V; its entry at p reads the token at p + 1 (:attr:`page_lookahead`)."""
+        return self.draft is not None and self.spec.uses_working_cache
+
+    @property
+    def page_lookahead(self) -> int:
+        """Tokens past a page that its content depends on (:class:`~diffspec_jax.paging.PageManager`)."""
+        return 1 if self.draft_store else 0
+
+    @property
+    def prefix_reusable(self) -> bool:
+        """Whether every per-request state is in pages, so a prefix's pages can serve another request: not with a
+        hybrid target's recurrent states, a draft's ``full`` policy (a working cache per row) or the salience
+        scorer's chunk summaries (a self-draft's working set is rebuilt from the pages)."""
+        return not (self.target.is_hybrid or (self.draft is not None and not self.spec.uses_working_cache)
+                    or (self.diffspec and self.spec.context.needs_summaries))
+
+    def prefix_namespace(self, target_dtype) -> str:
+        """The hash chain's root for this plan's pages: the models, the dtype and the layout, so two plans share a
+        cached page only when its K/V (and draft entries) would be the same."""
+        return repr((repr(self.target), repr(self.draft), str(np.dtype(target_dtype)), self.self_draft,
+                     self.draft_store, self.tp, self.draft_tp))
+
+    @property
     def score_layer(self) -> int | None:
         """Target layer whose queries/LSE are captured (``diffspec`` with the attention scorer)."""
         if self.diffspec and self.spec.context.scorer == "attention":

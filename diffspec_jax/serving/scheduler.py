@@ -72,7 +72,7 @@ from diffspec_jax.models.attention import DENSE_ATTENTION_MAX_TOKENS
 from diffspec_jax.paging import OutOfPages, PageManager
 from diffspec_jax.sampling import seed_key
 from diffspec_jax.target import REFERENCE_PREFILL_CHUNK, TargetModel, check_token_ids
-from diffspec_jax.validation import check_bool, check_int, check_real
+from diffspec_jax.validation import check_bool, check_int, check_page_size, check_real
 
 #: stop ids per request (the target's EOS ids included): a static width, so no stop set recompiles anything
 MAX_STOP_IDS = 16
@@ -151,9 +151,7 @@ class EngineConfig:
         check_int(self.max_prefill_per_block, "max_prefill_per_block", min=1, none_ok=True)
         check_int(self.max_waiting, "max_waiting", min=0)
         check_real(self.request_timeout, "request_timeout", min=0.0, min_open=True, none_ok=True)
-        check_int(self.block_size, "block_size", min=16, max=256)
-        if self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two (16 to 256), got {self.block_size}")
+        check_page_size(self.block_size, "block_size")
         check_int(self.num_kv_blocks, "num_kv_blocks", min=1, none_ok=True)
         check_real(self.kv_cache_memory_fraction, "kv_cache_memory_fraction", min=0.0, max=1.0, min_open=True)
         check_bool(self.prefix_caching, "prefix_caching")
@@ -342,17 +340,10 @@ class SlotEngine:
                               f"max_model_len {self.max_model_len} needs ({need}): lower max_model_len or give the "
                               f"pool more pages (num_kv_blocks, kv_cache_memory_fraction)")
         self.plan = plan = dataclasses.replace(plan, paging=(self.num_pages, psize))
-        # prefix reuse needs every per-request state in pages: not the recurrent states of a hybrid target, the
-        # draft's full-policy working cache (rows per slot) or the salience scorer's chunk summaries (a self-draft's
-        # working set is rebuilt from the target's pages for every request)
-        reusable = not (tc.is_hybrid or (draft is not None and not spec.uses_working_cache)
-                        or (plan.diffspec and spec.context.needs_summaries))
-        self.prefix_caching = config.prefix_caching and reusable
-        self._namespace = (f"{target.config}|{target.dtype}|"
-                           f"{SELF if self.self_draft else draft.config if draft is not None else None}")
-        #: the draft's store lags the committed length by the pending entries (projected at the next draft step 0),
-        #: and its entry at p depends on the token at p + 1 (the page manager's lookahead)
-        self._store_lag = k + 1 if draft is not None and spec.uses_working_cache else 0
+        self.prefix_caching = config.prefix_caching and plan.prefix_reusable
+        self._namespace = plan.prefix_namespace(target.dtype)
+        #: the draft's store lags the committed length by the pending entries (projected at the next draft step 0)
+        self._store_lag = k + 1 if plan.draft_store else 0
         self.pager = self._new_pager()
         self._table = np.full((b, self.max_pages), self.num_pages, np.int32)
         self._table_dirty = True
@@ -411,7 +402,7 @@ class SlotEngine:
 
     def _new_pager(self) -> PageManager:
         return PageManager(self.num_pages, self.page_size, prefix_caching=self.prefix_caching,
-                           namespace=self._namespace, lookahead=1 if self._store_lag else 0)
+                           namespace=self._namespace, lookahead=self.plan.page_lookahead)
 
     @staticmethod
     def _pool_pages(config: EngineConfig, capacity: int, page_bytes: int) -> int:
