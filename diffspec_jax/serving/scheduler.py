@@ -707,9 +707,11 @@ class SlotEngine:
         while self._waiting and None in self.slots:
             req = self._waiting[0]
             ids = self._context(req)
-            if not self.pager.can_admit(ids):
+            try:  # (one walk of the prompt's hash chain: a refused admission changes nothing)
+                adm = self.pager.admit(req.id, ids)
+            except OutOfPages:
                 if not any(self.slots):  # nothing will free pages: cannot happen (construction checks one fits)
-                    raise RuntimeError(f"request {req.id} does not fit an idle KV pool")
+                    raise RuntimeError(f"request {req.id} does not fit an idle KV pool") from None
                 return
             self._waiting.popleft()
             with self._lock:
@@ -718,7 +720,6 @@ class SlotEngine:
             slot = self.slots.index(None)
             self.slots[slot], req.slot, req.phase = req, slot, "prefill"
             req.marks["admitted"] = time.monotonic()
-            adm = self.pager.admit(req.id, ids)
             req.committed = adm.cached_tokens
             if req.cached_tokens is None:
                 req.cached_tokens = adm.cached_tokens
