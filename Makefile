@@ -15,12 +15,17 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-install: $(PY)
-	$(PY) -m pip install -q -e .
+# The editable install reruns only when pyproject.toml changes (the stamp); the build backend's chatter goes to
+# $(VENV)/install.log and is shown only if the install fails.
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e . 2> $(VENV)/install.log || { cat $(VENV)/install.log >&2; exit 1; }
+	touch $@
+
+install: $(VENV)/.installed
 
 install-test: $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,serve]"
+	$(PY) -m pip install -q -e ".[test,serve]" 2> $(VENV)/install.log || { cat $(VENV)/install.log >&2; exit 1; }
 
 test: install-test
 	$(PY) -m pytest -q -n auto --dist worksteal tests $(PYTEST_ARGS)
