@@ -31,7 +31,7 @@ from diffspec_jax.engine.compile import _CompileClock, capacity_bucket, enable_c
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopState, loop_specs
 from diffspec_jax.engine.prefill import _PrefillAcc
-from diffspec_jax.engine.self_draft import SELF, is_self, self_draft_spec
+from diffspec_jax.engine.self_draft import SELF, self_draft_spec, split_draft
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.prefix_cache import PrefixCache
 from diffspec_jax.engine.state import Plan, shared_pools, with_pools
@@ -352,15 +352,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     session = default_session() if session is None else session
     if not isinstance(session, Session):
         raise ConfigError(f"session must be a diffspec_jax.engine.Session, got {type(session).__name__}")
-    self_draft = is_self(draft)
-    if isinstance(draft, str) and not self_draft:
-        raise ConfigError(f"draft must be a loaded draft (load_draft), {SELF!r} (the target drafts for itself) or "
-                          f"None, got {draft!r}")
-    if self_draft:
-        if proposer is not None:
-            raise ConfigError(f"draft={SELF!r} drafts with the target itself; it cannot be combined with a custom "
-                              f"proposer")
-        draft = None
+    draft, self_draft = split_draft(draft)
+    if self_draft and proposer is not None:
+        raise ConfigError(f"draft={SELF!r} drafts with the target itself; it cannot be combined with a custom "
+                          f"proposer")
     prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling, block_cycles)
     seed, stop_token_ids, max_cache_len, prefill_chunk = check_generate_args(
         target.config.vocab_size, seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,

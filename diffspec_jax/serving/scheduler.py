@@ -63,7 +63,7 @@ from diffspec_jax.engine.compile import _CompileClock, _Program, enable_compilat
 from diffspec_jax.engine import memory
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
-from diffspec_jax.engine.self_draft import SELF, is_self, self_draft_spec
+from diffspec_jax.engine.self_draft import SELF, self_draft_spec, split_draft
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.slots import init_slots, new_acc
 from diffspec_jax.engine.state import Plan
@@ -298,12 +298,7 @@ class SlotEngine:
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         spec = SpecConfig() if spec is None else spec
         self.session = session = default_session() if session is None else session
-        self.self_draft = is_self(draft)
-        if isinstance(draft, str) and not self.self_draft:
-            raise ConfigError(f"draft must be a loaded draft (load_draft), {SELF!r} (the target drafts for itself) "
-                              f"or None, got {draft!r}")
-        if self.self_draft:
-            draft = None
+        draft, self.self_draft = split_draft(draft)
         _validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
         if self.self_draft:
             spec = self_draft_spec(spec, target.config)
