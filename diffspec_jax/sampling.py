@@ -117,17 +117,26 @@ def processed_logprobs_rows(logits: jax.Array, rows: SamplingRows) -> jax.Array:
     """:func:`processed_logprobs` with each row's own temperature, top-k and top-p; ``logits [B, ..., V]``.
 
     The same function per row as the static one (the k-th largest value is the top-k threshold, top-p runs on the
-    renormalised top-k set and always keeps the argmax); greedy rows use temperature 1, as there."""
+    renormalised top-k set and always keeps the argmax); greedy rows use temperature 1, as there. The sorts over
+    the vocabulary that top-k and top-p need run only when some row asks for them (a batch of plain-temperature
+    rows, the server's default, skips them)."""
     nd = logits.ndim
     v = logits.shape[-1]
     temp = jnp.where(rows.temperature > 0, rows.temperature, 1.0)
     x = logits.astype(jnp.float32) / _per_row(temp, nd)
     k = jnp.where((rows.top_k > 0) & (rows.top_k < v), rows.top_k, v)
-    desc = -jnp.sort(-x, axis=-1)
-    kth = jnp.take_along_axis(desc, jnp.broadcast_to(_per_row(k - 1, nd), x.shape[:-1] + (1,)), axis=-1)
-    x = jnp.where(x < kth, _MASKED, x)
-    threshold = _nucleus_threshold(x, _per_row(rows.top_p, nd))
-    x = jnp.where(_per_row(rows.top_p < 1.0, nd) & (x < threshold), _MASKED, x)
+
+    def top_k(x):
+        desc = -jnp.sort(-x, axis=-1)
+        kth = jnp.take_along_axis(desc, jnp.broadcast_to(_per_row(k - 1, nd), x.shape[:-1] + (1,)), axis=-1)
+        return jnp.where(x < kth, _MASKED, x)
+
+    def top_p(x):
+        threshold = _nucleus_threshold(x, _per_row(rows.top_p, nd))
+        return jnp.where(_per_row(rows.top_p < 1.0, nd) & (x < threshold), _MASKED, x)
+
+    x = jax.lax.cond(jnp.any(k < v), top_k, lambda x: x, x)
+    x = jax.lax.cond(jnp.any(rows.top_p < 1.0), top_p, lambda x: x, x)
     return jax.nn.log_softmax(x, axis=-1)
 
 

@@ -410,14 +410,19 @@ def test_per_row_processing_equals_the_static_one():
     logits = rng.normal(size=(6, 3, 50)).astype(np.float32)
     logits[2, :, :4] = 3.0  # ties at the top
     settings = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.6), (0.5, 7, 0.3), (2.0, 50, 1e-30)]
-    rows = SamplingRows(temperature=jnp.array([s[0] for s in settings], jnp.float32),
-                        top_k=jnp.array([s[1] for s in settings], jnp.int32),
-                        top_p=jnp.array([s[2] for s in settings], jnp.float32), key=jnp.zeros((6, 2), jnp.uint32))
-    got = np.asarray(processed_logprobs_rows(jnp.asarray(logits), rows))
-    for i, (t, k, p) in enumerate(settings):
-        want = np.asarray(processed_logprobs(jnp.asarray(logits[i]), SamplingConfig(temperature=t, top_k=k, top_p=p)))
-        np.testing.assert_array_equal(np.isinf(got[i]), np.isinf(want))
-        np.testing.assert_allclose(got[i][~np.isinf(want)], want[~np.isinf(want)], rtol=1e-6, atol=1e-6)
+    # every row, then batches where no row (or only top-p, or only top-k) filters: the sorts run only when needed
+    for pick in ([0, 1, 2, 3, 4, 5], [0, 1], [3, 1], [2, 0]):
+        rows = SamplingRows(temperature=jnp.array([settings[i][0] for i in pick], jnp.float32),
+                            top_k=jnp.array([settings[i][1] for i in pick], jnp.int32),
+                            top_p=jnp.array([settings[i][2] for i in pick], jnp.float32),
+                            key=jnp.zeros((len(pick), 2), jnp.uint32))
+        got = np.asarray(processed_logprobs_rows(jnp.asarray(logits[pick]), rows))
+        for j, i in enumerate(pick):
+            t, k, p = settings[i]
+            want = np.asarray(processed_logprobs(jnp.asarray(logits[i]),
+                                                 SamplingConfig(temperature=t, top_k=k, top_p=p)))
+            np.testing.assert_array_equal(np.isinf(got[j]), np.isinf(want))
+            np.testing.assert_allclose(got[j][~np.isinf(want)], want[~np.isinf(want)], rtol=1e-6, atol=1e-6)
 
 
 def test_row_keys_decide_each_row_alone():
