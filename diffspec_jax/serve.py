@@ -38,8 +38,8 @@ from diffspec_jax.validation import ArgumentParser, check_int, quiet_library_not
 #: (a cache of 512 positions: 384 + the verify block + a parking page, in whole attention tiles)
 CPU_MAX_NUM_SEQS, CPU_MAX_MODEL_LEN = 1, 384
 #: what the CPU defaults' note says (docs/serving.md, "On a CPU", has the runs)
-CPU_MEASURED = ("a 48-token answer took 0.59 s at 1 x 384, 0.65 s at 1 x 512 and 6.5-8.5 s at 8 x 4096, against the "
-                "CLI's 0.43 s")
+CPU_MEASURED = ("a 48-token answer of the demo pair took 1.1-1.2x the CLI's time at 1 x 384 "
+                "(benchmarks/results/cpu_first_request.json)")
 
 
 def build_parser() -> ArgumentParser:
