@@ -896,6 +896,7 @@ FIELD_CHECKS: dict[str, Callable[[Any, str], None]] = {
     "diffspec_scoring_layer": _layer_or_none,
     "draft_tensor_parallel_size": _positive_or_none,
     "kernels": _choice(KERNEL_CHOICES),
+    "deterministic": check_bool,
 }
 #: the flat keys :meth:`SpecConfig.from_flat` accepts
 FLAT_KEYS = tuple(FIELD_CHECKS)
@@ -1106,6 +1107,12 @@ class SpecConfig:
         draft_tensor_parallel_size: with a mesh, 1 = replicated draft, or the target's tp [None = the target's].
         kernels: the hot paths' implementation, ``"auto"`` (Pallas on GPUs, the pure-JAX references elsewhere),
             ``"reference"`` or ``"pallas"`` [``$DIFFSPEC_KERNELS``, else ``"auto"``; :func:`default_kernels`].
+        deterministic: bit-exact speculation [False]: greedy output identical to the bit to target-only decoding
+            run with the same setting, on GPUs too. The target's attention runs its deterministic form (tiles
+            and splits at fixed absolute positions, splits merged in order:
+            :mod:`pallas_kernels.cache_attention`), and target-only decoding runs each step as a block of K + 1
+            rows with one real row, so its matrix products have the verify step's shapes. Chains at a fixed depth
+            only (a ConfigError with a tree or adaptive depth). Costs: docs/benchmarks.md, "Bit-exact speculation".
 
     The properties :attr:`tree`, :attr:`uses_working_cache`, :attr:`history_budget` and :attr:`max_chunks` are
     facts derived from the parts.
@@ -1117,9 +1124,11 @@ class SpecConfig:
     draft_sampling: str = "argmax"
     draft_tensor_parallel_size: int | None = None
     kernels: str = field(default_factory=default_kernels)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size", "kernels"):
+        for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size", "kernels",
+                    "deterministic"):
             FIELD_CHECKS[key](getattr(self, key), key)
         if not isinstance(self.context, (Full, Recent, DiffSpec)):
             raise ConfigError(f"context must be Full(), Recent(...) or DiffSpec(...), got {_show(self.context)}")
@@ -1143,6 +1152,10 @@ class SpecConfig:
             if self.draft_sampling != "argmax":
                 raise ConfigError("tree drafting expands each node's top-k children deterministically; "
                                   "draft_sampling='sample' applies to chain mode only")
+        if self.deterministic and (isinstance(v, Tree) or v.adaptive):
+            raise ConfigError("deterministic covers chains at a fixed depth: a tree block, or a chain whose depth "
+                              "adapts, verifies rows in blocks of other shapes than target-only decoding; use "
+                              "diffspec_verification_mode 'linear' without diffspec_adaptive_profile")
         if self.uses_working_cache:
             self.check_history_budget(sink=isinstance(self.context, DiffSpec) and self.context.keep_sink_chunk)
 
@@ -1173,7 +1186,7 @@ class SpecConfig:
         context = CONTEXTS[d.get("draft_context_policy", Full.policy)].from_flat(d)
         verification = (Tree if d.get("diffspec_verification_mode") == Tree.mode else Chain).from_flat(d)
         top = {key: d[key] for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size",
-                                       "kernels") if key in d}
+                                       "kernels", "deterministic") if key in d}
         return cls(context=context, verification=verification, **top)
 
     def replace(self, **changes: Any) -> SpecConfig:

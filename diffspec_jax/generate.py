@@ -181,6 +181,9 @@ def add_spec_arguments(ap) -> None:
     ap.add_argument("--kernels", default=None, choices=KERNEL_CHOICES,
                     help=f"hot-path kernels: auto (Pallas on GPUs, the pure-JAX references elsewhere) | reference | "
                          f"pallas (default: ${KERNELS_ENV}, else auto)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="bit-exact speculation: greedy output identical to the bit to target-only decoding with the "
+                         "same flag, on GPUs too (chains at a fixed depth; costs in docs/benchmarks.md)")
 
 
 def spec_from_args(args, draft_tp: int | None = None) -> SpecConfig:
@@ -192,7 +195,8 @@ def spec_from_args(args, draft_tp: int | None = None) -> SpecConfig:
         diffspec_retrieval_interval=args.retrieval_interval, diffspec_verification_mode=args.verification_mode,
         diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,
         diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
-        diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=draft_tp)
+        diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=draft_tp,
+        deterministic=args.deterministic)
     if args.kernels is not None:
         flat["kernels"] = args.kernels
     return SpecConfig.from_flat(flat)

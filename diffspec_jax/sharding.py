@@ -116,12 +116,13 @@ def shard_layout_draft(config: DraftConfig, params: dict, tp: int) -> tuple[dict
     return tables.shard(table, params, tp), tables.partition_specs(table)
 
 
-def jit_sharded(fn, mesh: Mesh | None, in_specs: Any, out_specs: Any, donate_argnums: tuple[int, ...] = ()):
+def jit_sharded(fn, mesh: Mesh | None, in_specs: Any, out_specs: Any, donate_argnums: tuple[int, ...] = (),
+                compiler_options: dict | None = None):
     """``fn`` jitted, and with a mesh mapped over it per shard first (``jit(shard_map(fn))``, the model code being
-    written for one shard with explicit collectives)."""
+    written for one shard with explicit collectives); ``compiler_options``: XLA options for its compilation."""
     if mesh is not None:
         fn = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return jax.jit(fn, donate_argnums=donate_argnums)
+    return jax.jit(fn, donate_argnums=donate_argnums, compiler_options=compiler_options)
 
 
 def put(tree: Any, specs: Any, mesh: Mesh) -> Any:

@@ -33,6 +33,15 @@ splits and forms lse. Bytes moved: one read of the visible K and V rows (times `
 
 The number of splits (:func:`default_splits`) aims at a few programs per SM at any batch; ``splits``, ``block``,
 ``max_rows``, ``num_warps`` and ``num_stages`` are static keyword arguments, to tune on the GPU.
+
+**Deterministic form** (``deterministic=True``, :attr:`diffspec_jax.SpecConfig.deterministic`): a query row's result
+depends only on its own query and the keys it sees, not on how many rows share the call nor where their block
+starts, so a decode step (T = 1), a chain verify block (T = K + 1) and a prefill tail agree to the bit on every row
+they share. Tiles of :data:`DETERMINISTIC_BLOCK` rows and splits of :data:`DETERMINISTIC_SPLIT_ROWS` rows sit at
+fixed absolute positions (never derived from the batch, T or the cache capacity); the causal form walks the block
+rows in the same tiles as the prefix, each row masked at its own position (no separate block tile); a split or
+tile a row does not reach adds exact zeros; and the epilogue adds the splits in order
+(:func:`pallas_kernels.common.merge_splits_ordered`).
 Reference: :func:`diffspec_jax.models.layers.attention_prefix` (same signature and contract).
 """
 
@@ -45,11 +54,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import (NEG, call_options, dot_precision, merge_splits, next_pow2, online_softmax_step,
-                                   rows_to_heads)
+from pallas_kernels.common import (NEG, call_options, dot_precision, merge_splits, merge_splits_ordered, next_pow2,
+                                   online_softmax_step, rows_to_heads)
 
 #: streaming multiprocessors assumed where the device does not say (the H200's)
 DEFAULT_SMS = 132
+#: the deterministic form's key tile and split, in cache rows at fixed absolute positions: the verify tiling, and
+#: splits small enough for about one wave of programs at 8K x 1 on an H200 (8 KV heads x 16 splits)
+DETERMINISTIC_BLOCK, DETERMINISTIC_SPLIT_ROWS = 128, 512
 
 
 def _sm_count() -> int:
@@ -98,15 +110,23 @@ class Plan(NamedTuple):
 
 
 def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: int, *, block: int | None = None,
-                splits: int | None = None, max_rows: int = 128, paged: bool = False) -> Plan:
+                splits: int | None = None, max_rows: int = 128, paged: bool = False,
+                deterministic: bool = False) -> Plan:
     """The static launch parameters :func:`cache_attention` uses for these shapes and knobs (``block`` default:
     :func:`default_tiling`; ``splits`` is rounded to whole tiles per split: e.g. 66 wanted over 1024 tiles -> 16
-    tiles per split -> 64 splits)."""
+    tiles per split -> 64 splits). ``deterministic``: the fixed tiles and splits of the deterministic form
+    (``block`` and ``splits`` must then be left out)."""
     _check_pow2("max_rows", max_rows)
     rows = min(next_pow2(steps * (q_heads // kv_heads), 16), max_rows)
+    row_blocks = -(-(steps * (q_heads // kv_heads)) // rows)
+    if deterministic:
+        if block is not None or splits is not None:
+            raise ValueError("cache_attention: the deterministic form fixes block and splits")
+        tiles_per_split = DETERMINISTIC_SPLIT_ROWS // DETERMINISTIC_BLOCK
+        n_tiles = -(-seq_len // DETERMINISTIC_BLOCK)
+        return Plan(rows, row_blocks, DETERMINISTIC_BLOCK, tiles_per_split, -(-n_tiles // tiles_per_split))
     block = default_tiling(rows, paged)[0] if block is None else block
     _check_pow2("block", block)
-    row_blocks = -(-(steps * (q_heads // kv_heads)) // rows)
     block = min(block, next_pow2(seq_len, 16))
     n_tiles = -(-seq_len // block)
     if splits is None:
@@ -116,7 +136,7 @@ def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: in
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps, block, tiles_per_split, splits,
-            seq_len, head_dim, cols, scale, precision, causal, page_size):
+            seq_len, head_dim, cols, scale, precision, causal, page_size, deterministic):
     from jax.experimental.pallas import triton as plgpu
 
     pt_ref, (o_ref, m_ref, l_ref) = (refs[0], refs[1:]) if page_size else (None, refs)
@@ -135,7 +155,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     q = plgpu.load(q_ref.at[b, t_of[:, None], head[:, None], d], mask=cols_in(real[:, None]),
                    other=jnp.zeros((), q_ref.dtype))
     prefix = plgpu.load(len_ref.at[b])
-    length = jnp.clip(prefix, 0, seq_len)
+    inline = causal and deterministic                     # the block rows walked in the prefix's tiles
+    length = jnp.clip(prefix + steps if inline else prefix, 0, seq_len)
     first = s * tiles_per_split * block
     n_tiles = jnp.clip((length - first + block - 1) // block, 0, tiles_per_split)
 
@@ -156,13 +177,15 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     def body(i, carry):                                   # the committed prefix: rows < length
         pos = first + i * block + jnp.arange(block)
         visible = pos < length
+        if inline:                                        # and the block, each row up to its own position
+            return tile(carry, pos, visible, visible[None, :] & (pos[None, :] <= (prefix + t_of)[:, None]))
         return tile(carry, pos, visible, visible[None, :])
 
     init = (jnp.zeros((rows, cols), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, n_tiles, body, init)
     saw = n_tiles > 0
-    if causal:  # the block rows prefix .. prefix + steps - 1, once, by the split whose range holds row `prefix`
+    if causal and not inline:  # the block rows prefix .. prefix + steps - 1, once, by the split whose range holds row `prefix`
         owns = s == jnp.minimum(length // (tiles_per_split * block), splits - 1)
         width = next_pow2(steps, 16)
 
@@ -179,9 +202,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "block", "splits", "max_rows", "num_warps",
-                                             "num_stages", "page_size"))
+                                             "num_stages", "page_size", "deterministic"))
 def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits=None, max_rows=128,
-                    num_warps=None, num_stages=None, pages=None, page_size=0):
+                    num_warps=None, num_stages=None, pages=None, page_size=0, deterministic=False):
     """Attention of new queries over the committed prefix of a heads-first KV cache (see the module docstring
     for shapes, dtypes and semantics).
 
@@ -193,7 +216,8 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     per tile (a power of two >= 16; capped at the cache length rounded up to a power of two), ``splits`` ranges per (sequence, KV head) (default :func:`default_splits`; capped at
     the number of tiles), ``max_rows`` query rows per program (a power of two >= 16; more rows take
     several row blocks, each reading the KV once), ``num_warps`` (default 4 up to 64 rows per program, else 8)
-    and ``num_stages`` (Triton software pipelining of the tile loop).
+    and ``num_stages`` (Triton software pipelining of the tile loop). ``deterministic``: the module docstring's
+    deterministic form (``block`` and ``splits`` fixed).
     """
     b, t, hq, d = q.shape
     hkv, s_len = k.shape[1], k.shape[2]
@@ -208,14 +232,16 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
         raise ValueError(f"cache_attention: q {q.shape} does not fit k {k.shape} / v {v.shape}")
     group = hq // hkv
     lengths = lengths.astype(jnp.int32)
-    if causal and t == 1:  # a decode step: its one query sees rows < length + 1, the plain form (no block tile)
-        lengths, causal = lengths + 1, False
+    if causal and t == 1 and not deterministic:  # a decode step: its one query sees rows < length + 1, the plain
+        lengths, causal = lengths + 1, False     # form (no block tile)
     rows, row_blocks, block, tiles_per_split, splits = launch_plan(b, t, hq, hkv, s_len, block=block, splits=splits,
-                                                                   max_rows=max_rows, paged=pages is not None)
+                                                                   max_rows=max_rows, paged=pages is not None,
+                                                                   deterministic=deterministic)
+    stages = default_tiling(32 if deterministic else rows, pages is not None)[1]
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
                                tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d,
                                cols=next_pow2(d, 16), scale=scale, precision=dot_precision(k.dtype), causal=causal,
-                               page_size=page_size if pages is not None else 0)
+                               page_size=page_size if pages is not None else 0, deterministic=deterministic)
     extra = () if pages is None else (pages.astype(jnp.int32),)
     o, m, l = pl.pallas_call(
         kernel,
@@ -225,14 +251,20 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
                    jax.ShapeDtypeStruct((b, hkv, splits, t * group), jnp.float32)),
         name="cache_attention",
         **call_options(num_warps=num_warps or (4 if rows <= 64 else 8),
-                       num_stages=num_stages or default_tiling(rows, pages is not None)[1]),
+                       num_stages=num_stages or stages),
     )(q, k, v, lengths, *extra)
     # split j saw rows iff it starts before the length (the kernel's n_tiles > 0); the others wrote no output
-    prefix = jnp.clip(lengths, 0, s_len)[:, None]
-    live = (jnp.arange(splits) * (tiles_per_split * block))[None, :] < prefix
-    if causal:  # and the split that attended the block
-        live = live | (jnp.arange(splits)[None, :] == jnp.minimum(prefix // (tiles_per_split * block), splits - 1))
-    out, lse = merge_splits(o, m, l, live)                 # [B, Hkv, T * G, D], [B, Hkv, T * G]
+    starts = (jnp.arange(splits) * (tiles_per_split * block))[None, :]
+    if deterministic:  # the block rows were walked in the prefix's tiles
+        live = starts < jnp.clip(lengths + (t if causal else 0), 0, s_len)[:, None]
+        out, lse = merge_splits_ordered(o, m, l, live)     # [B, Hkv, T * G, D], [B, Hkv, T * G]
+    else:
+        prefix = jnp.clip(lengths, 0, s_len)[:, None]
+        live = starts < prefix
+        if causal:  # and the split that attended the block
+            live = live | (jnp.arange(splits)[None, :] == jnp.minimum(prefix // (tiles_per_split * block),
+                                                                       splits - 1))
+        out, lse = merge_splits(o, m, l, live)             # [B, Hkv, T * G, D], [B, Hkv, T * G]
     empty = (jnp.clip(lengths + (t if causal else 0), 0, s_len) <= 0)[:, None, None]
     out = jnp.where(empty[..., None], 0.0, rows_to_heads(out, t, group))
     lse = jnp.where(empty, NEG, rows_to_heads(lse, t, group))

@@ -57,6 +57,27 @@ def resolve_kernels(choice: str) -> str:
     return choice
 
 
+#: whether the innermost :func:`use_deterministic` asks for row-invariant attention (``False`` outside any)
+_DETERMINISTIC: contextvars.ContextVar[bool] = contextvars.ContextVar("diffspec_deterministic", default=False)
+
+
+@contextlib.contextmanager
+def use_deterministic(on: bool) -> Iterator[bool]:
+    """Trace the attention kernels inside the block in their deterministic form (:attr:`diffspec_jax.SpecConfig.
+    deterministic`: every query row's result independent of how many rows share the call and where its block
+    starts); the engine traces each program under its plan's setting."""
+    token = _DETERMINISTIC.set(bool(on))
+    try:
+        yield bool(on)
+    finally:
+        _DETERMINISTIC.reset(token)
+
+
+def deterministic() -> bool:
+    """The innermost :func:`use_deterministic` setting while tracing (``False`` outside any)."""
+    return _DETERMINISTIC.get()
+
+
 @contextlib.contextmanager
 def use_kernels(choice: str) -> Iterator[str]:
     """Trace (or call) the kernel selectors with ``choice`` (``auto`` / ``reference`` / ``pallas``) inside the
@@ -142,6 +163,23 @@ def online_softmax_step(carry, q, k, v, visible, *, scale, precision):
     l = l * corr + jnp.sum(p, axis=1)
     acc = acc * corr[:, None] + matmul(p.astype(v.dtype), v, precision=precision)
     return acc, m_new, l
+
+
+def merge_splits_ordered(o, m, l, live):
+    """:func:`merge_splits` with the splits added one after another in split order (``live`` required): the sum
+    of a query row is then the same whatever the other rows and however many splits follow its last live one
+    (those add exact zeros), where a reduction over the split axis may reassociate by shape. The deterministic
+    attention's epilogue."""
+    live = live[:, None, :, None]
+    m = jnp.where(live, m, NEG)
+    m_all = jnp.max(m, axis=2)                                      # order-free: a max is exact
+    den = jnp.zeros_like(m_all)
+    out = jnp.zeros(o.shape[:2] + o.shape[3:], jnp.float32)
+    for s in range(o.shape[2]):
+        w = jnp.where(live[:, :, s], jnp.exp(m[:, :, s] - m_all), 0.0)
+        den = den + l[:, :, s] * w
+        out = out + jnp.where(live[:, :, s, :, None], o[:, :, s], 0.0) * w[..., None]
+    return out / den[..., None], m_all + jnp.log(den)
 
 
 def merge_splits(o, m, l, live=None):

@@ -150,6 +150,45 @@ def test_cache_attention_causal(t, opts):
     np.testing.assert_allclose(np.asarray(ours[0]), ref_out, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_cache_attention_deterministic_rows(monkeypatch, paged):
+    """The deterministic form: a query row's output and lse are the same bits whether it runs alone (T = 1) or as
+    any row j of a chain block of K + 1 = 5 that starts j rows earlier, over a cache read directly or through a
+    shuffled page table; and they match the reference. Tiles of 16 and splits of 32 rows (patched down from the
+    GPU sizes), so rows cross tile and split edges at fresh random positions; bfloat16, as served."""
+    import pallas_kernels.cache_attention as ca
+
+    monkeypatch.setattr(ca, "DETERMINISTIC_BLOCK", 16)
+    monkeypatch.setattr(ca, "DETERMINISTIC_SPLIT_ROWS", 32)
+    rng = np.random.default_rng(101 + paged)
+    b, hkv, group, s, d, k1, page = 2, 2, 4, 144, 32, 5, 16
+    q_all = jnp.asarray(rng.standard_normal((b, s, hkv * group, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16)
+    extra = {}
+    if paged:  # the same cache as a pool of shuffled pages
+        n = s // page
+        perm = rng.permutation(b * n).reshape(b, n).astype(np.int32)
+        pool = lambda x: jnp.zeros((1, hkv, b * n * page, d), x.dtype).at[  # noqa: E731
+            0, :, (perm[:, :, None] * page + np.arange(page)).reshape(b, -1)].set(jnp.swapaxes(x, 1, 2))
+        k, v, extra = pool(k), pool(v), dict(pages=jnp.asarray(perm), page_size=page)
+    attend = lambda q, start: cache_attention(q, k, v, start, scale=d ** -0.5, causal=True,  # noqa: E731
+                                              deterministic=True, **extra)
+    for p in rng.choice(np.arange(k1, s - k1), 6, replace=False):
+        alone = attend(q_all[:, p:p + 1], jnp.full((b,), p, jnp.int32))
+        for j in range(k1):
+            block = attend(q_all[:, p - j:p - j + k1], jnp.full((b,), p - j, jnp.int32))
+            assert np.array_equal(np.asarray(block[0][:, j]), np.asarray(alone[0][:, 0])), (p, j)
+            assert np.array_equal(np.asarray(block[1][:, j]), np.asarray(alone[1][:, 0])), (p, j)
+    starts = jnp.asarray([s - k1, 37], jnp.int32)
+    out, lse = attend(q_all[:, 40:40 + k1], starts)
+    kv = (k, v) if not paged else tuple(jnp.swapaxes(x[0, :, (perm[:, :, None] * page + np.arange(page))
+                                                          .reshape(b, -1)], 1, 2) for x in (k, v))
+    ref = attention_prefix(q_all[:, 40:40 + k1], *kv, starts, d ** -0.5, causal=True)
+    close(out, ref[0], jnp.bfloat16)
+    close(lse, ref[1], jnp.bfloat16)
+
+
 def test_cache_attention_split_plan():
     """The default split counts: a few programs per SM (132) at batch 1 and 8 (8 KV heads, block 64)."""
     assert default_splits(1, 8, 65536, 64, sms=132) == 66 and default_splits(8, 8, 65536, 64, sms=132) == 9
@@ -225,3 +264,23 @@ def test_engine_on_pallas_kernels_matches_reference(tp, targets, drafts):
     assert ours.tokens == ref.tokens
     assert [s["anchor_chunks"] for s in ours.stats.retrieval["per_sequence"]] == \
         [s["anchor_chunks"] for s in ref.stats.retrieval["per_sequence"]]
+
+
+def test_deterministic_speculation_equals_target_only(targets, drafts):
+    """SpecConfig(deterministic=True) through the public generate() with every kernel in Pallas (interpreted): the
+    speculative greedy tokens equal target-only decoding's under the same setting (whose steps run as K + 1-row
+    blocks), which equal plain target-only decoding's; over a paged cache; a tree is refused by name."""
+    from diffspec_jax import SpecConfig, Tree, generate
+    from diffspec_jax.errors import ConfigError
+
+    prompts = random_prompts(14, (70, 33))
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=8, diffspec_token_budget=40,
+                                     num_speculative_tokens=3, diffspec_retrieval_interval=2, kernels="pallas",
+                                     deterministic=True))
+    kw = dict(max_new_tokens=10, stop_token_ids=())
+    plain = generate(targets["llama"], None, prompts, spec=spec.replace(deterministic=False), **kw).tokens
+    alone = generate(targets["llama"], None, prompts, spec=spec, **kw).tokens
+    assert alone == plain
+    assert generate(targets["llama"], drafts["llama"], prompts, spec=spec, page_size=16, **kw).tokens == alone
+    with pytest.raises(ConfigError, match="chains at a fixed depth"):
+        spec.replace(verification=Tree())

@@ -25,7 +25,7 @@ from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_deco
 from diffspec_jax.engine.retrieve import _retrieve
 from diffspec_jax.engine.state import Plan, _init_state, state_specs
 from diffspec_jax.engine.verify import _spec_cycle, _target_cycle, _tree_cycle
-from pallas_kernels.common import use_kernels
+from pallas_kernels.common import use_deterministic, use_kernels
 
 #: the environment variable naming JAX's persistent compilation cache directory (``0``: leave the cache off)
 COMPILATION_CACHE_ENV = "DIFFSPEC_COMPILATION_CACHE"
@@ -48,13 +48,23 @@ def param_spec_key(params) -> tuple | None:
 
 def bind(fn, plan: Plan):
     """``fn(plan, ...)``, traced under the plan's kernel choice (``plan.kernels``: what every kernel selector of
-    :mod:`pallas_kernels.dispatch` picks inside it)."""
+    :mod:`pallas_kernels.dispatch` picks inside it) and its attention form (``SpecConfig.deterministic``)."""
 
     def bound(*args, **kwargs):
-        with use_kernels(plan.kernels):
+        with use_kernels(plan.kernels), use_deterministic(plan.spec.deterministic):
             return fn(plan, *args, **kwargs)
 
     return functools.wraps(fn)(bound)
+
+
+def compiler_options(plan: Plan) -> dict | None:
+    """XLA options of the plan's programs: a deterministic plan (``SpecConfig.deterministic``) keeps every
+    bfloat16 intermediate rounded as its op's type says (``xla_allow_excess_precision`` off). XLA otherwise may keep
+    a fused intermediate in float32, so a value's rounding would depend on what else the program computes from it:
+    the verify step, which also taps hidden states for the draft, then rounded some values differently from
+    target-only decoding (2 of 16 demo-pair prompts differed on an H200 with the attention alone made
+    deterministic; self-drafting, which taps nothing, none)."""
+    return {"xla_allow_excess_precision": False} if plan.spec.deterministic else None
 
 
 class _CompileClock:
@@ -125,7 +135,7 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
 
     def make(fn, donate, ins, outs):
         return sharding.jit_sharded(bind(fn, plan), plan.mesh, ins, outs,
-                                    donate if isinstance(donate, tuple) else (donate,))
+                                    donate if isinstance(donate, tuple) else (donate,), compiler_options(plan))
 
     mesh = plan.mesh is not None
     st = state_specs(plan) if mesh else None

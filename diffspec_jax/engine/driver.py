@@ -167,6 +167,9 @@ def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: Sp
         if len(p) == 0:
             raise InputError(f"prompt {i} is empty; every prompt needs at least one token")
         out.append(check_token_ids(p, target.config.vocab_size, f"prompt {i}"))  # int32 [T]: no per-token Python
+    if spec.deterministic and target.config.is_hybrid:
+        raise ConfigError("deterministic covers attention-only targets: a hybrid target's DeltaNet layers scan a "
+                          "verify block's rows in another order than single decode steps; leave deterministic off")
     if draft is not None:
         if draft.config.vocab_size != target.config.vocab_size:
             raise ConfigError(f"vocabulary mismatch: draft vocab_size {draft.config.vocab_size} vs target "

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from diffspec_jax import working_cache, working_set
 from diffspec_jax.cache import HybridCache
-from diffspec_jax.engine.compile import _Program, bind
+from diffspec_jax.engine.compile import _Program, bind, compiler_options
 from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
 from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
 from diffspec_jax.engine.retrieve import _retrieve
@@ -237,7 +237,7 @@ def slot_programs(plan: Plan) -> SimpleNamespace:
                           "supported by the slot programs yet")
 
     def make(fn, donate):
-        return _Program(jax.jit(bind(fn, plan), donate_argnums=donate))
+        return _Program(jax.jit(bind(fn, plan), donate_argnums=donate, compiler_options=compiler_options(plan)))
 
     return SimpleNamespace(reset=make(slot_reset, (0,)), prefill=make(slot_prefill, (2, 3)),
                            prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3)),

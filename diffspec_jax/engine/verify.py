@@ -134,12 +134,19 @@ def _tree_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, caps, 
 
 
 def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
-    """Autoregressive baseline: one target step on ``last_token``; same cache machinery."""
+    """Autoregressive baseline: one target step on ``last_token``; same cache machinery.
+
+    Deterministic plans (``SpecConfig.deterministic``) run the step as a chain verify block: ``last_token`` and K
+    copies of it, logits at all K + 1 rows, row 0's taken. Its matrix products then have the verify step's
+    shapes, so each of its rows rounds as a verify row does; the copies' K/V land past the committed length,
+    where no query sees them before the next step overwrites them."""
     rng, key = _split(plan, state.rng)
-    rows = jnp.zeros((state.length.shape[0], 1), jnp.int32)
-    out, tcache = family(plan.target).step(plan.target, tparams, state.target_cache, state.last_token[:, None],
-                                           state.length, rows, axis_name=plan.tp_axis,
-                                           num_valid=active.astype(jnp.int32))
+    b = state.length.shape[0]
+    t = plan.spec.num_speculative_tokens + 1 if plan.spec.deterministic else 1
+    rows = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    out, tcache = family(plan.target).step(plan.target, tparams, state.target_cache,
+                                           jnp.broadcast_to(state.last_token[:, None], (b, t)), state.length, rows,
+                                           axis_name=plan.tp_axis, num_valid=active.astype(jnp.int32))
     if state.sampling is None:
         tok = choose(key, out.logits[:, 0], plan.sampling)
     else:

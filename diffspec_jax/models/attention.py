@@ -37,7 +37,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as sa
 from diffspec_jax.cache import ATTENTION_TILE, page_view, write_paged, write_rows
 from diffspec_jax.models.layers import NEG_INF, attention_dense, attention_prefix, attention_tiled, merge_attention
 from pallas_kernels import cache_attention as cache_attention_kernel
-from pallas_kernels.common import kernel_backend
+from pallas_kernels.common import deterministic, kernel_backend
 
 #: steps with at most this many new tokens per sequence attend densely over the cache (decode, verification,
 #: tree blocks); longer ones (prefill chunks) use the tiled (reference) or flash (fast) path
@@ -73,7 +73,7 @@ def run_cache_attention(q, k, v, lengths, *, scale, causal=False, pages=None, pa
     reference reads the gathered per-sequence view."""
     if fast_path():
         return cache_attention_kernel.cache_attention(q, k, v, lengths, scale=scale, causal=causal, pages=pages,
-                                                      page_size=page_size)
+                                                      page_size=page_size, deterministic=deterministic())
     if pages is not None:
         k, v = page_view(k, pages, page_size), page_view(v, pages, page_size)
     return attention_prefix(q, k, v, lengths, scale, causal=causal)
