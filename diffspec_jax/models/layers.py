@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import NEG
+from pallas_kernels.common import NEG, deterministic
 
 #: finite "minus infinity" for masked scores: keeps exp() and max() free of NaN on fully masked tiles (the Pallas
 #: kernels' too)
@@ -221,6 +221,22 @@ def gather_vocab(logits: jax.Array, vocab_size: int, axis_name: str | None = Non
     return jax.lax.all_gather(logits, axis_name, axis=logits.ndim - 1, tiled=True)[..., :vocab_size]
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU MLP: ``down(silu(x @ gate) * (x @ up))``. x ``[..., H]``; weights ``[H, I]``, ``[H, I]``, ``[I, H]``."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, out_dtype=None) -> jax.Array:
+    """SwiGLU MLP: ``down(silu(x @ gate) * (x @ up))``. x ``[..., H]``; weights ``[H, I]``, ``[H, I]``, ``[I, H]``;
+    ``out_dtype``: the down projection's result type (default the operands')."""
+    return jnp.matmul(jax.nn.silu(x @ w_gate) * (x @ w_up), w_down, preferred_element_type=out_dtype)
+
+
+def add_residual(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``x + y`` in ``x``'s dtype. A float32 ``y`` (a deterministic plan's output projection,
+    :func:`residual_dtype`) is added in float32 and rounded once, the same bits whether or not XLA fuses the add
+    into the product (a GEMM epilogue adds before rounding; an unfused add rounds the product first)."""
+    if y.dtype == x.dtype:
+        return x + y
+    return (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(x.dtype)
+
+
+def residual_dtype():
+    """The result type of the products feeding the residual stream: float32 while a deterministic plan is
+    traced (:func:`pallas_kernels.common.deterministic`), else the operands' (``None``)."""
+    return jnp.float32 if deterministic() else None

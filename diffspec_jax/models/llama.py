@@ -34,7 +34,8 @@ from diffspec_jax.models.attention import (DENSE_ATTENTION_MAX_TOKENS, cache_att
                                            run_cache_attention, write_block)
 from diffspec_jax.models import params as tables
 from diffspec_jax.models.layers import (
-    apply_rope, attention_dense, causal_mask, embed_lookup, gather_vocab, rms_norm, rope_cos_sin, swiglu,
+    add_residual, apply_rope, attention_dense, causal_mask, embed_lookup, gather_vocab, residual_dtype, rms_norm,
+    rope_cos_sin, swiglu,
 )
 from diffspec_jax.models.params import NORM, Linear, Param, is_shape  # noqa: F401 (is_shape re-exported)
 
@@ -206,10 +207,10 @@ def _project_kv(lp: Params, h: jax.Array) -> tuple[jax.Array, jax.Array]:
 def mlp(lp: Params, x: jax.Array) -> jax.Array:
     """The SwiGLU MLP of a layer (fused ``w_gate_up`` or separate ``w_gate`` / ``w_up``)."""
     if "w_gate_up" not in lp:
-        return swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"])
+        return swiglu(x, lp["w_gate"], lp["w_up"], lp["w_down"], residual_dtype())
     w = lp["w_gate_up"]
     y = (x @ w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], 2, w.shape[2])
-    return (jax.nn.silu(y[..., 0, :]) * y[..., 1, :]) @ lp["w_down"]
+    return jnp.matmul(jax.nn.silu(y[..., 0, :]) * y[..., 1, :], lp["w_down"], preferred_element_type=residual_dtype())
 
 
 def _attention_block(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -223,10 +224,10 @@ def _attention_block(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.Arr
     q = apply_rope(q, cos, sin, interleaved=config.rope.interleaved)
     k = apply_rope(k, cos, sin, interleaved=config.rope.interleaved)
     out, lse = attend(q, k, v)
-    o = jnp.einsum("btnd,ndh->bth", out, lp["wo"])
+    o = jnp.einsum("btnd,ndh->bth", out, lp["wo"], preferred_element_type=residual_dtype())
     if axis_name is not None:
         o = jax.lax.psum(o, axis_name)
-    return x + o, q, lse
+    return add_residual(x, o), q, lse
 
 
 def _last_layer_at_rows(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.Array, sin: jax.Array,
@@ -255,17 +256,17 @@ def _last_layer_at_rows(config: ModelConfig, lp: Params, x: jax.Array, cos: jax.
     k = apply_rope(k, cos, sin, interleaved=config.rope.interleaved)
     kb, vb = write_block(k, v, k_buf, v_buf, start, prefix=prefix, **paged)
     out, lse = run_cache_attention(q, kb, vb, (start + rows[:, 0] + 1).astype(jnp.int32), scale=scale, **paged)
-    o = jnp.einsum("btnd,ndh->bth", out, lp["wo"])
+    o = jnp.einsum("btnd,ndh->bth", out, lp["wo"], preferred_element_type=residual_dtype())
     if axis_name is not None:
         o = jax.lax.psum(o, axis_name)
-    return _mlp_block(config, lp, at(x) + o, axis_name), q, lse, kb, vb
+    return _mlp_block(config, lp, add_residual(at(x), o), axis_name), q, lse, kb, vb
 
 
 def _mlp_block(config: ModelConfig, lp: Params, x: jax.Array, axis_name: str | None) -> jax.Array:
     m = mlp(lp, rms_norm(x, lp["mlp_norm"], config.rms_norm_eps))
     if axis_name is not None:
         m = jax.lax.psum(m, axis_name)
-    return x + m
+    return add_residual(x, m)
 
 
 def forward(config: ModelConfig, params: Params, tokens: jax.Array, *, axis_name: str | None = None,
