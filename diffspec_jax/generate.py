@@ -186,6 +186,23 @@ def add_spec_arguments(ap) -> None:
                          "same flag, on GPUs too (chains at a fixed depth; costs in docs/benchmarks.md)")
 
 
+def add_parallel_arguments(ap) -> None:
+    """``--tp`` and ``--draft-tp`` (shared with ``python -m diffspec_jax.serve``); :func:`check_parallel_options`
+    checks them, ``make_mesh(args.tp)`` and ``spec_from_args(args, args.draft_tp)`` read them."""
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices on the mesh's tp axis)")
+    ap.add_argument("--draft-tp", type=int, default=None,
+                    help="draft tensor-parallel size: 1 (replicated) or --tp (default: --tp)")
+
+
+def check_parallel_options(args) -> None:
+    """Refuse a ``--tp`` below 1 and a ``--draft-tp`` other than 1 or ``--tp`` (a :class:`ConfigError`)."""
+    if args.tp < 1:
+        raise ConfigError(f"--tp must be a positive integer (devices on the tensor-parallel axis), got {args.tp}")
+    if args.draft_tp is not None and args.draft_tp not in (1, args.tp):
+        raise ConfigError(f"--draft-tp must be 1 (a replicated draft) or equal to --tp (a draft sharded like the "
+                          f"target; --tp is {args.tp}), got {args.draft_tp}")
+
+
 def spec_from_args(args, draft_tp: int | None = None) -> SpecConfig:
     """The :class:`SpecConfig` of :func:`add_spec_arguments`' options, built from their flat names
     (:meth:`SpecConfig.from_flat`; ``--policy`` defaults to ``diffspec``, ``--kernels`` to ``$DIFFSPEC_KERNELS``)."""
@@ -228,9 +245,7 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--keep-special-tokens", action="store_true",
                     help="print special tokens (EOS, chat markers) in the text (default: left out)")
     add_spec_arguments(ap)
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (devices on the mesh's tp axis)")
-    ap.add_argument("--draft-tp", type=int, default=None,
-                    help="draft tensor-parallel size: 1 (replicated) or --tp (default: --tp)")
+    add_parallel_arguments(ap)
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     compare = ap.add_mutually_exclusive_group()
     compare.add_argument("--compare", action="store_true",
@@ -274,11 +289,7 @@ def given_options(argv: list[str] | None) -> dict[str, str]:
 def check_option_combinations(args, given: dict[str, str]) -> None:
     """Refuse options that contradict each other or that the other options make ineffective (a
     :class:`ConfigError`: exit status 2), rather than ignoring them without a word."""
-    if args.tp < 1:
-        raise ConfigError(f"--tp must be a positive integer (devices on the tensor-parallel axis), got {args.tp}")
-    if args.draft_tp is not None and args.draft_tp not in (1, args.tp):
-        raise ConfigError(f"--draft-tp must be 1 (a replicated draft) or equal to --tp (a draft sharded like the "
-                          f"target; --tp is {args.tp}), got {args.draft_tp}")
+    check_parallel_options(args)
     ignored = [given[d] for d in SPECULATIVE_OPTIONS if d in given]
     if args.no_draft and ignored:
         raise ConfigError(f"--no-draft decodes with the target alone, so {', '.join(ignored)} would have no effect; "

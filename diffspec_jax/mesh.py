@@ -25,7 +25,12 @@ def make_mesh(tp: int = 1, dp: int = 1, devices: list | None = None) -> Mesh:
     if tp < 1 or dp < 1:
         raise ConfigError(f"mesh sizes must be >= 1, got tp={tp}, dp={dp}")
     if dp * tp > len(devices):
-        raise ConfigError(f"a mesh of dp={dp} x tp={tp} needs {dp * tp} devices, only {len(devices)} are visible")
+        hint = ""
+        if devices and devices[0].platform == "cpu":
+            hint = (f" (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count={dp * tp} set before JAX starts "
+                    f"makes that many virtual devices)")
+        raise ConfigError(f"a mesh of dp={dp} x tp={tp} needs {dp * tp} devices, only {len(devices)} are visible"
+                          + hint)
     return Mesh(np.array(devices[: dp * tp]).reshape(dp, tp), (DP, TP))
 
 

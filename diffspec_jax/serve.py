@@ -5,6 +5,7 @@ Examples::
     python -m diffspec_jax.serve                                      # the embedded demo pair on 127.0.0.1:8000
     python -m diffspec_jax.serve --target T --draft D --max-num-seqs 8 --max-model-len 65536 --policy diffspec
     python -m diffspec_jax.serve --target T --draft self                # the target drafts for itself
+    python -m diffspec_jax.serve --target T --draft D --tp 4            # the target sharded over 4 devices
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "def main():", "max_tokens": 32, "temperature": 0}'
 
@@ -27,8 +28,8 @@ import jax
 from diffspec_jax.draft import load_draft
 from diffspec_jax.engine.self_draft import SELF
 from diffspec_jax.errors import ConfigError, DiffspecError
-from diffspec_jax.generate import (_tokenizer, add_model_arguments, add_spec_arguments, model_dirs, resolve_dtype_arg,
-                                   spec_from_args)
+from diffspec_jax.generate import (_tokenizer, add_model_arguments, add_parallel_arguments, add_spec_arguments,
+                                   check_parallel_options, model_dirs, resolve_dtype_arg, spec_from_args)
 from diffspec_jax.serving.scheduler import DEFAULT_MAX_MODEL_LEN, EngineConfig, SlotEngine
 from diffspec_jax.stopping import generation_defaults
 from diffspec_jax.target import load_target
@@ -48,6 +49,7 @@ def build_parser() -> ArgumentParser:
     ap = ArgumentParser(prog="python -m diffspec_jax.serve", description=__doc__.split("\n")[0])
     add_model_arguments(ap)
     add_spec_arguments(ap)
+    add_parallel_arguments(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-num-seqs", type=int, default=None,
@@ -125,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_int(args.port, "--port", min=0, max=65535)
+        check_parallel_options(args)
         target_dir, draft_dir, embedded = model_dirs(args)
-        spec = spec_from_args(args)
+        spec = spec_from_args(args, args.draft_tp)
         max_num_seqs, max_model_len, cpu_note = engine_sizes(args.max_num_seqs, args.max_model_len,
                                                              jax.default_backend())
         config = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_prefill_per_block=args.max_prefill_per_block, max_waiting=args.max_waiting,
                               request_timeout=args.request_timeout, block_size=args.block_size,
                               num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                              prefix_caching=not args.no_prefix_caching)
+                              prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tp)
         template = read_text(args.chat_template, "chat template", error=ConfigError) if args.chat_template else None
         try:
             from diffspec_jax.serving.app import check_chat_template, create_app
@@ -162,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         app = create_app(engine, tok, model_name=name, api_key=args.api_key, chat_template=template,
                          sampling_defaults=generation_defaults(target_dir))
         print(f"[diffspec-serve] {name}: policy {engine.policy}, up to {engine.num_slots} sequences decoded together, "
-              f"max_model_len {engine.max_model_len}; {engine.pool_summary()}; compiling...", file=sys.stderr,
-              flush=True)
+              f"max_model_len {engine.max_model_len}, {engine.parallel_summary()}; {engine.pool_summary()}; "
+              f"compiling...", file=sys.stderr, flush=True)
         for note in (cpu_note, "" if chat is not None else f"{name} has no chat template: /v1/chat/completions "
                                                            f"answers 400 (start with --chat-template FILE)"):
             if note:

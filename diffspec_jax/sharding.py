@@ -86,6 +86,19 @@ def check_draft(config: DraftConfig, tp: int) -> None:
     kv_heads_for(config.num_key_value_heads, tp, "the draft")
 
 
+def draft_tp_for(mesh: Mesh | None, requested: int | None, has_draft: bool) -> int:
+    """The draft's tensor-parallel size on ``mesh``: ``requested`` (``SpecConfig.draft_tensor_parallel_size``:
+    1 = a replicated draft, or the target's tp; ``None`` = the target's tp); 1 without a mesh or an EAGLE-3 draft."""
+    if mesh is None or not has_draft:
+        return 1
+    tp = mesh_size(mesh, TP)
+    draft_tp = tp if requested is None else requested
+    if draft_tp not in (1, tp):
+        raise ConfigError(f"draft_tensor_parallel_size must be 1 (replicated draft) or the target's tp={tp}, "
+                          f"got {draft_tp}")
+    return draft_tp
+
+
 def _fused(params: dict) -> bool:
     """Layers in the serving layout of :func:`diffspec_jax.models.llama.fuse_projections`."""
     return bool(params["layers"]) and "wqkv" in params["layers"][0]

@@ -57,7 +57,7 @@ from diffspec_jax.engine.loop import (  # noqa: F401
 from diffspec_jax.engine.compile import (  # noqa: F401
     CACHE_MIN_COMPILE_SECS, COMPILATION_CACHE_ENV, _CompileClock, _jax_cache_config_before, _Program, _signature,
     _spec_tree, bind, build_programs, capacity_bucket, compilation_cache_setting, enable_compilation_cache,
-    param_spec_key)
+    param_spec_key, program_specs)
 from diffspec_jax.engine.session import Session, compiled, default_session  # noqa: F401
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl  # noqa: F401
 from diffspec_jax.engine.driver import (  # noqa: F401

@@ -1,5 +1,6 @@
 """Compilation without surprises: the jitted steps of a plan (:func:`build_programs`; ``jit(shard_map(...))`` with
-a mesh, by :func:`diffspec_jax.sharding.jit_sharded`, the one such builder), traced under the plan's kernel choice
+a mesh, by :func:`diffspec_jax.sharding.jit_sharded`, the one such builder, with the layouts of
+:func:`program_specs`, which the server's slot programs share), traced under the plan's kernel choice
 (:func:`bind`), their ahead-of-time compiled versions that time compilation apart (:class:`_Program`), JAX's
 persistent compilation cache (:func:`enable_compilation_cache`) and the cache-capacity buckets
 (:func:`capacity_bucket`).
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from diffspec_jax import sharding
@@ -76,12 +78,25 @@ class _CompileClock:
         self.count = 0
 
 
+def _layout(x):
+    """An array's sharding as a compiled executable tells layouts apart: a ``NamedSharding`` without its trailing
+    unsharded dimensions (``P(None, "tp", None, None)`` lays out a K/V pool as ``P(None, "tp")`` does, the spelling
+    a ``shard_map``'s outputs come back with), so a state created with its specs and the same state returned by a
+    program share one executable."""
+    s = getattr(x, "sharding", None)
+    if not isinstance(s, NamedSharding):
+        return s
+    spec = tuple(s.spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return s.mesh, spec, s.memory_kind
+
+
 def _signature(args) -> tuple:
     """What a compiled executable is specific to: the pytree structure and each leaf's shape, dtype, weak type and
-    sharding (as ``jit``'s own cache keys them)."""
+    layout (:func:`_layout`)."""
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    return treedef, tuple((x.shape, x.dtype, bool(getattr(x, "weak_type", False)), getattr(x, "sharding", None))
-                          for x in leaves)
+    return treedef, tuple((x.shape, x.dtype, bool(getattr(x, "weak_type", False)), _layout(x)) for x in leaves)
 
 
 class _Program:
@@ -115,11 +130,55 @@ class _Program:
         return exe(*args)
 
 
+_SPEC_NAMES = ("tparams", "dparams", "state", "loop", "block_out", "acc", "row", "rows2", "ranks", "same")
+
+
+def program_specs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
+    """How the arguments and results of the plan's programs are laid out on its mesh: the one definition that
+    :func:`build_programs` (``generate()``) and the server's slot programs
+    (:func:`~diffspec_jax.engine.slots.slot_programs`) share. Without a mesh every field is ``None`` (nothing is
+    mapped).
+
+    ``tparams`` / ``dparams``: the params' specs (from :func:`param_spec_key`); ``state``, ``loop``, ``block_out``:
+    :func:`~diffspec_jax.engine.state.state_specs`, :func:`~diffspec_jax.engine.loop.loop_specs`,
+    :func:`~diffspec_jax.engine.loop.block_out_specs`; ``acc``: the prefill accumulator (query heads over ``tp``);
+    ``row`` / ``rows2``: per-row arrays ``[B]`` / ``[B, X]`` (batch over ``dp``); ``ranks``: ``[ranks, B, ...]``,
+    what each tensor-parallel rank computed for itself (its ``[1, B, ...]``), stacked over ``tp`` (retrieval
+    anchors: the host checks that the ranks agree); ``same``: a value every shard holds whole (scalars, stop ids,
+    a request slot's inputs).
+    """
+    if plan.mesh is None:
+        return SimpleNamespace(**dict.fromkeys(_SPEC_NAMES))
+    dp = sharding.DP if plan.dp > 1 else None
+    tp = sharding.TP
+    row, rows2 = P(dp), P(dp, None)
+    return SimpleNamespace(
+        tparams=_spec_tree(tspec_key), dparams=_spec_tree(dspec_key), state=state_specs(plan),
+        loop=loop_specs(plan), block_out=block_out_specs(plan),
+        acc=_PrefillAcc(logits=rows2, aux=rows2, score_q=P(dp, tp, None), score_lse=P(dp, tp)),
+        row=row, rows2=rows2, ranks=P(tp, dp), same=P())
+
+
+def sharded_program(plan: Plan, fn, donate, ins, outs):
+    """``fn(plan, ...)`` jitted (:func:`bind`), with ``donate`` (an index or a tuple of them) donated; with a
+    mesh, mapped per shard with the specs ``ins`` / ``outs`` (:func:`program_specs`; ignored without a mesh)."""
+    return sharding.jit_sharded(bind(fn, plan), plan.mesh, ins, outs,
+                                donate if isinstance(donate, tuple) else (donate,), compiler_options(plan))
+
+
+def init_program(plan: Plan, fn, specs) -> _Program:
+    """``fn`` (a program that creates a zeroed state or accumulator) jitted, its outputs laid out by ``specs``
+    (:func:`program_specs`) on the plan's mesh, as the programs that take them expect."""
+    if plan.mesh is None:
+        return _Program(jax.jit(fn))
+    return _Program(jax.jit(fn, out_shardings=sharding.named(specs, plan.mesh)))
+
+
 def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
     """The jitted steps of ``plan``: plain ``jit`` without a mesh, ``jit(shard_map(...))`` with one (the params
-    laid out as ``tspec_key`` / ``dspec_key`` describe, :func:`param_spec_key`). A
-    :class:`~diffspec_jax.engine.session.Session` keeps them per plan, so repeated :func:`generate` calls reuse the
-    compilations.
+    laid out as ``tspec_key`` / ``dspec_key`` describe, :func:`param_spec_key`; every argument as
+    :func:`program_specs` says). A :class:`~diffspec_jax.engine.session.Session` keeps them per plan, so repeated
+    :func:`generate` calls reuse the compilations.
 
     ``cycle(tparams, dparams, state, active)`` is the K-deep chain (or target-only) cycle; ``cycle_at(d)`` the
     d-deep chain taking per-sequence depths; ``tree_cycle(tparams, dparams, state, active, caps, budget)`` the tree
@@ -129,27 +188,16 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
     ``prefill_chunk`` (the others), ``start_decode``, ``retrieve``,
     ``block(c)`` and ``init(batch, target_dtype, draft_dtype)`` (``(key) -> DecodeState``).
     """
-    dp = sharding.DP if plan.dp > 1 else None
-    tp = sharding.TP
-    row, rows2 = P(dp), P(dp, None)
-
-    def make(fn, donate, ins, outs):
-        return sharding.jit_sharded(bind(fn, plan), plan.mesh, ins, outs,
-                                    donate if isinstance(donate, tuple) else (donate,), compiler_options(plan))
-
-    mesh = plan.mesh is not None
-    st = state_specs(plan) if mesh else None
-    ls = loop_specs(plan) if mesh else None
-    bo = block_out_specs(plan) if mesh else None
-    tparams, dparams = _spec_tree(tspec_key), _spec_tree(dspec_key)
-    acc = _PrefillAcc(logits=rows2, aux=rows2, score_q=P(dp, tp, None), score_lse=P(dp, tp))
+    sp = program_specs(plan, tspec_key, dspec_key)
+    make = functools.partial(sharded_program, plan)
+    tparams, dparams, st, row, rows2 = sp.tparams, sp.dparams, sp.state, sp.row, sp.rows2
+    chunk_ins = (tparams, dparams, st, sp.acc, rows2, rows2, row, row)
     cycle_out = (st, rows2, row, row, row)
     out = SimpleNamespace(
-        prefill_chunk=make(_prefill_chunk, 2, (tparams, dparams, st, acc, rows2, rows2, row, row), (st, acc)),
-        prefill_first=make(functools.partial(_prefill_chunk, first=True), 2,
-                           (tparams, dparams, st, acc, rows2, rows2, row, row), (st, acc)),
-        start_decode=make(_start_decode, 0, (st, acc, row), (st, row)),
-        retrieve=make(_retrieve, 2, (tparams, dparams, st, row), (st, P(tp, dp, None))),
+        prefill_chunk=make(_prefill_chunk, 2, chunk_ins, (st, sp.acc)),
+        prefill_first=make(functools.partial(_prefill_chunk, first=True), 2, chunk_ins, (st, sp.acc)),
+        start_decode=make(_start_decode, 0, (st, sp.acc, row), (st, row)),
+        retrieve=make(_retrieve, 2, (tparams, dparams, st, row), (st, sp.ranks)),
         cycle=make(_spec_cycle if plan.speculative else _target_cycle, 2, (tparams, dparams, st, row), cycle_out))
     out.cycle_at = functools.lru_cache(maxsize=None)(
         lambda d: make(functools.partial(_spec_cycle, depth=d), 2, (tparams, dparams, st, row, row), cycle_out))
@@ -158,15 +206,13 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
     caps_spec, budget_spec = (rows2, row) if plan.tree_mode else (None, None)
     out.block = functools.lru_cache(maxsize=None)(
         lambda c: make(functools.partial(_block, cycles=c), (2, 3),
-                       (tparams, dparams, st, ls, P(), caps_spec, budget_spec), (st, ls, bo)))
+                       (tparams, dparams, st, sp.loop, sp.same, caps_spec, budget_spec), (st, sp.loop, sp.block_out)))
 
     def init(batch, target_dtype, draft_dtype, pools=True):
         def fn(key):  # (pools=False: a paged state without its pools, which the caller keeps: a prefix cache)
             return _init_state(plan, batch, target_dtype, draft_dtype, 0, pools=pools).replace(rng=key)
 
-        if not mesh:
-            return _Program(jax.jit(fn))
-        return _Program(jax.jit(fn, out_shardings=sharding.named(state_specs(plan), plan.mesh)))
+        return init_program(plan, fn, st)
 
     out.programs = SimpleNamespace(
         prefill_chunk=_Program(out.prefill_chunk), prefill_first=_Program(out.prefill_first),

@@ -385,13 +385,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) + "
                          f"{'max_tree_nodes' if k_block != k else 'K'} + 1 = {need} positions exceed the cache "
                          f"capacity max_cache_len={max_cache_len}")
-    draft_tp = 1
-    if mesh is not None and draft is not None:
-        tp = sharding.mesh_size(mesh, sharding.TP)
-        draft_tp = tp if spec.draft_tensor_parallel_size is None else spec.draft_tensor_parallel_size
-        if draft_tp not in (1, tp):
-            raise ConfigError(f"draft_tensor_parallel_size must be 1 (replicated draft) or the target's tp={tp}, "
-                              f"got {draft_tp}")
+    draft_tp = sharding.draft_tp_for(mesh, spec.draft_tensor_parallel_size, draft is not None)
     capacity = (round_capacity(max_cache_len) if max_cache_len is not None
                 else capacity_bucket(need, tc.max_position_embeddings + k_block + 1))
     if prefix_cache is not None:

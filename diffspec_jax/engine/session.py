@@ -68,9 +68,10 @@ class Session:
         return self._get(self._programs, (plan, tspec_key, dspec_key),
                          lambda: build_programs(plan, tspec_key, dspec_key), self.max_plans)
 
-    def slot_programs(self, plan: Plan) -> SimpleNamespace:
+    def slot_programs(self, plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
         """The slot programs of ``plan`` (:func:`~diffspec_jax.engine.slots.slot_programs`), built once."""
-        return self._get(self._slot_programs, plan, lambda: slot_programs(plan), self.max_slot_plans)
+        return self._get(self._slot_programs, (plan, tspec_key, dspec_key),
+                         lambda: slot_programs(plan, tspec_key, dspec_key), self.max_slot_plans)
 
     def prepare(self, model, mesh: Mesh, tp: int) -> dict:
         """``model``'s params in tensor-parallel layout over ``tp`` shards on ``mesh``, laid out once per (model,

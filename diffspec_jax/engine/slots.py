@@ -23,6 +23,14 @@ every prompt length up to the capacity:
 Decoding itself is the engine's device loop (:func:`~diffspec_jax.engine.loop._block`) over all ``B`` rows, with
 each row's own stop ids (``stops [B, S]``) and, through :class:`~diffspec_jax.sampling.SamplingRows` in the state,
 its own temperature, top-k, top-p and key.
+
+On a tensor-parallel mesh (a plan with ``mesh``, ``dp = 1``) these functions run per shard, as ``generate()``'s
+steps do, laid out by the same :func:`~diffspec_jax.engine.compile.program_specs`: the paged pools sharded by KV
+heads, the page table, lengths and every per-row array whole on every shard, the slot index and a prompt chunk
+given to every shard whole. Slicing a slot's row out of the batch touches the batch axis only, so each shard
+writes its own heads of the pages; retrieval scores are made whole on every rank (summed over the ranks' heads, or
+gathered) before the selection, so every rank selects the same chunks (:func:`slot_start` returns each rank's
+selection for the host to check).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import jax.numpy as jnp
 
 from diffspec_jax import working_cache, working_set
 from diffspec_jax.cache import HybridCache
-from diffspec_jax.engine.compile import _Program, bind, compiler_options
+from diffspec_jax.engine.compile import _Program, init_program, program_specs, sharded_program
 from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
 from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
 from diffspec_jax.engine.retrieve import _retrieve
@@ -84,7 +92,9 @@ def _rows(state: DecodeState, slot) -> DecodeState:
 def init_slots(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple[DecodeState, LoopState]:
     """``batch`` empty slots: a zeroed :class:`DecodeState` with per-row sampling, and a :class:`LoopState` where
     every row is done."""
-    state = _init_state(plan, batch, target_dtype, draft_dtype, 0).replace(sampling=SamplingRows.create(batch))
+    state = _init_state(plan, batch, target_dtype, draft_dtype, 0)
+    if state.sampling is None:  # (a plan without row_sampling, outside the slot programs)
+        state = state.replace(sampling=SamplingRows.create(batch))
     zero = jnp.zeros((batch,), jnp.int32)
     cad = depth = None
     if plan.diffspec:
@@ -175,13 +185,15 @@ def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState
             ``[S]`` its stop ids (``-1`` padded); retrieve: bool ``[]`` run DiffSpec's retrieval after prefill
             now; depth, floor: int32 ``[]`` the adaptive chain depth to start at (ignored without it).
     Returns:
-        ``(state, loop, first token int32 [], anchors int32 [A] (the retrieval's; zeros without DiffSpec))``.
+        ``(state, loop, first token int32 [], anchors int32 [1, 1, A])``: the retrieval's anchors as this
+        tensor-parallel rank selected them (zeros without DiffSpec), stacked over the ranks by the program's out
+        specs (``[ranks, 1, A]``), so the host can check that every rank selected the same chunks.
     """
     rows, first = _start_decode(plan, _rows(state, slot), acc, length)
-    anchors = jnp.zeros((max(1, plan.spec.max_chunks - 1),), jnp.int32)
+    ranks = jnp.zeros((1, 1, max(1, plan.spec.max_chunks - 1)), jnp.int32)
     if plan.diffspec:
         rows, ranks = _retrieve(plan, tparams, dparams, rows, retrieve[None])
-        anchors = ranks[0, 0]
+    anchors = ranks[0, 0]
     # only the small per-sequence leaves changed (caches are untouched): write those back
     small = lambda s: s.replace(rng=None, target_cache=None,  # noqa: E731
                                 draft_cache=None)
@@ -201,7 +213,7 @@ def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState
         row = DepthControl(depth=depth[None], floor=floor[None], good=jnp.zeros((1,), jnp.int32),
                            bad=jnp.zeros((1,), jnp.int32))
         loop = loop.replace(depth=_put(loop.depth, row, slot))
-    return state, loop, first[0], anchors
+    return state, loop, first[0], ranks
 
 
 def slot_flush(plan: Plan, dparams, state: DecodeState, slot) -> DecodeState:
@@ -228,18 +240,41 @@ def slot_release(plan: Plan, loop: LoopState, slot) -> LoopState:
     return loop.replace(done=_set(loop.done, slot, True))
 
 
-def slot_programs(plan: Plan) -> SimpleNamespace:
+def slot_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace:
     """The ahead-of-time compiled :class:`_Program` of each slot function for ``plan`` (state, loop and the
     prefill accumulator donated): ``reset``, ``prefill`` (``prefill_first``: a prompt's first chunk), ``start``,
-    ``release``. Without a mesh only. A :class:`~diffspec_jax.engine.session.Session` keeps them per plan."""
-    if plan.mesh is not None:
-        raise ConfigError("request slots run on one device: a plan with a mesh (tensor parallelism) is not "
-                          "supported by the slot programs yet")
+    ``release``, ``flush``, and ``init(batch, target_dtype, draft_dtype)`` (:func:`init_slots`) and
+    ``acc(target_dtype)`` (:func:`new_acc`). With a mesh they run per shard like ``generate()``'s programs, laid
+    out by the same :func:`~diffspec_jax.engine.compile.program_specs` (the params as ``tspec_key`` /
+    ``dspec_key`` describe); a slot's own inputs (its index, prompt chunk, sampling parameters) go to every shard
+    whole. A :class:`~diffspec_jax.engine.session.Session` keeps them per plan."""
+    if not plan.row_sampling:
+        raise ValueError("slot programs need a plan with row_sampling (each slot samples by its own parameters)")
+    if plan.dp > 1:
+        raise ConfigError(f"request slots share one page pool, which a data-parallel mesh (dp={plan.dp}) would have "
+                          f"to split: use a mesh with dp=1 (tensor parallelism only)")
+    sp = program_specs(plan, tspec_key, dspec_key)
+    st, ls, acc, one = sp.state, sp.loop, sp.acc, sp.same
 
-    def make(fn, donate):
-        return _Program(jax.jit(bind(fn, plan), donate_argnums=donate, compiler_options=compiler_options(plan)))
+    def make(fn, donate, ins, outs):
+        return _Program(sharded_program(plan, fn, donate, ins, outs))
 
-    return SimpleNamespace(reset=make(slot_reset, (0,)), prefill=make(slot_prefill, (2, 3)),
-                           prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3)),
-                           start=make(slot_start, (2, 3)), release=make(slot_release, (0,)),
-                           flush=make(slot_flush, (1,)))
+    chunk_ins = (sp.tparams, sp.dparams, st, acc) + (one,) * 5
+
+    @functools.lru_cache(maxsize=None)
+    def init(batch, target_dtype, draft_dtype):
+        return init_program(plan, lambda: init_slots(plan, batch, target_dtype, draft_dtype), (st, ls))
+
+    @functools.lru_cache(maxsize=None)
+    def new(target_dtype):
+        return init_program(plan, lambda: new_acc(plan, target_dtype), acc)
+
+    return SimpleNamespace(
+        reset=make(slot_reset, 0, (st,) + (one,) * 5, st),
+        prefill=make(slot_prefill, (2, 3), chunk_ins, (st, acc, one)),
+        prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3), chunk_ins, (st, acc, one)),
+        start=make(slot_start, (2, 3), (sp.tparams, sp.dparams, st, ls, acc) + (one,) * 7,
+                   (st, ls, one, sp.ranks)),
+        release=make(slot_release, 0, (ls, one), ls),
+        flush=make(slot_flush, 1, (sp.dparams, st, one), st),
+        init=init, acc=new)

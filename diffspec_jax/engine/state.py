@@ -114,6 +114,9 @@ class Plan:
     #: ``(num_pages, page_size)``: the target's K/V (and the draft's store) live in a pool of pages shared by every
     #: row, addressed through the cache's page table (the server); ``capacity`` is then the page table's reach
     paging: tuple[int, int] | None = None
+    #: each row samples with its own parameters and key (``DecodeState.sampling``: the server's request slots);
+    #: else every row samples by ``sampling`` (``generate()``)
+    row_sampling: bool = False
 
     @property
     def kernels(self) -> str:
@@ -245,7 +248,7 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int, po
         pend_tokens=jnp.zeros((batch, k1), jnp.int32),
         pend_feats=jnp.zeros((batch, k1, feat), target_dtype),
         pend_count=jnp.zeros((batch,), jnp.int32), seq_id=jnp.arange(batch, dtype=jnp.int32),
-        rng=jax.random.PRNGKey(seed))
+        rng=jax.random.PRNGKey(seed), sampling=SamplingRows.create(batch) if plan.row_sampling else None)
 
 
 def _rows(x: jax.Array, row: jax.Array) -> jax.Array:
@@ -287,10 +290,13 @@ def state_specs(plan: Plan) -> DecodeState:
                                 page_size=plan.paging[1])
         if dcache is not None and isinstance(dcache, DraftCache) and dcache.store_k is not None:
             dcache = dcache.replace(store_k=P(None, None, dtp, None), store_v=P(None, None, dtp, None))
+    rows = None
+    if plan.row_sampling:
+        rows = SamplingRows(temperature=P(dp), top_k=P(dp), top_p=P(dp), key=P(dp, None))
     return DecodeState(target_cache=tcache, draft_cache=dcache,
                        retrieval=ret,
                        length=P(dp), last_token=P(dp), pend_tokens=P(dp, None), pend_feats=P(dp, None, None),
-                       pend_count=P(dp), seq_id=P(dp), rng=P())
+                       pend_count=P(dp), seq_id=P(dp), rng=P(), sampling=rows)
 
 
 def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:

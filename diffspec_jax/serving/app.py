@@ -388,6 +388,8 @@ def prometheus_text(m: dict[str, Any], http_errors: dict[int, int]) -> str:
         counter("verification_cycles", "verifications (one per running request and cycle)", t("cycles"), policy),
         counter("accepted_draft_tokens", "accepted draft tokens", t("accepted"), policy),
         counter("retrievals", "DiffSpec retrievals (after prefill and during decoding)", t("retrievals"), policy),
+        counter("retrieval_rank_mismatches", "retrievals whose tensor-parallel ranks selected different chunks "
+                "(0 unless a bug)", t("retrieval_rank_mismatches"), policy),
         counter("device_blocks", "device-loop blocks dispatched", t("blocks")),
         counter("request_timeouts", "requests ended by the request timeout", t("timeouts")),
         counter("program_compiles", "engine programs compiled (warm-up included)", m["compiles"]),

@@ -59,15 +59,16 @@ import numpy as np
 
 from diffspec_jax.cache import round_capacity
 from diffspec_jax.config import SamplingConfig, SpecConfig
-from diffspec_jax.engine.compile import _CompileClock, _Program, enable_compilation_cache
+from diffspec_jax import sharding
+from diffspec_jax.engine.compile import _CompileClock, enable_compilation_cache, param_spec_key
 from diffspec_jax.engine import memory
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
 from diffspec_jax.engine.self_draft import SELF, self_draft_spec, split_draft
 from diffspec_jax.engine.session import Session, default_session
-from diffspec_jax.engine.slots import init_slots, new_acc
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
+from diffspec_jax.mesh import make_mesh
 from diffspec_jax.models.attention import DENSE_ATTENTION_MAX_TOKENS
 from diffspec_jax.paging import OutOfPages, PageManager
 from diffspec_jax.sampling import seed_key
@@ -129,6 +130,10 @@ class EngineConfig:
             of it after the weights [0.9].
         prefix_caching: reuse the K/V (and the draft's store) of full pages whose tokens a new request repeats
             [True; off for hybrid targets and the draft's ``full`` policy, whose state is not all in pages].
+        tensor_parallel_size: devices the target is sharded over (a ``("dp", "tp")`` mesh of ``dp = 1`` over the
+            first this many devices, :func:`diffspec_jax.make_mesh`), as ``generate(..., mesh=make_mesh(tp))``: the
+            programs run per shard, the K/V pool is sharded by KV heads, the draft is sharded like the target or
+            replicated as ``SpecConfig.draft_tensor_parallel_size`` says [1: one device].
     """
 
     max_num_seqs: int = 8
@@ -142,6 +147,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_fraction: float = 0.9
     prefix_caching: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_int(self.max_num_seqs, "max_num_seqs", min=1, max=4096)
@@ -155,6 +161,7 @@ class EngineConfig:
         check_int(self.num_kv_blocks, "num_kv_blocks", min=1, none_ok=True)
         check_real(self.kv_cache_memory_fraction, "kv_cache_memory_fraction", min=0.0, max=1.0, min_open=True)
         check_bool(self.prefix_caching, "prefix_caching")
+        check_int(self.tensor_parallel_size, "tensor_parallel_size", min=1)
 
 
 @dataclass(frozen=True)
@@ -285,8 +292,12 @@ class SlotEngine:
         config: :class:`EngineConfig`.
         eos_token_ids: the ids that end every request unless it asks ``ignore_eos`` (default: the target
             config's EOS ids).
-        session: the :class:`~diffspec_jax.engine.session.Session` holding the compiled programs (default: the
-            process's :func:`~diffspec_jax.engine.session.default_session`).
+        session: the :class:`~diffspec_jax.engine.session.Session` holding the compiled programs and the params
+            laid out on the mesh (default: the process's :func:`~diffspec_jax.engine.session.default_session`).
+
+    Raises :class:`~diffspec_jax.errors.ConfigError` for settings that cannot run: among them a
+    ``tensor_parallel_size`` beyond the visible devices, or that the target's (or a sharded draft's) heads or MLP
+    width do not divide, and a ``draft_tensor_parallel_size`` other than 1 or the target's.
         on_failure: called with the exception, on the engine thread, when the engine thread fails (after every
             request in it was failed): the server stops its process there (:attr:`on_failure`).
     """
@@ -322,13 +333,22 @@ class SlotEngine:
         capacity = round_capacity((-(-(self.max_model_len + k_block + 1) // psize) + -(-(k_block + 1) // psize))
                                   * psize)  # (whole attention tiles, for the tiled prefill)
         self.max_pages = capacity // psize
+        tp = config.tensor_parallel_size
+        self.mesh = make_mesh(tp) if tp > 1 else None
+        draft_tp = sharding.draft_tp_for(self.mesh, spec.draft_tensor_parallel_size, draft is not None)
         # the stop ids are inputs of the device loop, not part of its programs (as in generate())
         plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                     draft=draft.config if draft is not None else None, spec=spec, sampling=SamplingConfig(),
                     aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, paging=(1, psize),
-                    self_draft=self.self_draft)
-        ddtype = draft.params["fc"].dtype if draft is not None else target.dtype
-        self.num_pages = self._pool_pages(config, capacity, memory.page_bytes(plan, target.dtype, ddtype))
+                    self_draft=self.self_draft, mesh=self.mesh, draft_tp=draft_tp, row_sampling=True)
+        # the params laid out on the mesh (refusing heads that do not divide), before the pool is sized beside them
+        self.tparams, self.dparams = session.prepare_params(target, draft, self.mesh, draft_tp)
+        ddtype = self.dparams["fc"].dtype if self.dparams else target.dtype
+        device = self.mesh.devices.flat[0] if self.mesh is not None else None
+        #: bytes of one page on each device (with a mesh: its KV heads of the target's K/V and of a sharded draft's
+        #: store, a replicated draft's whole store)
+        self.page_bytes = memory.page_bytes(plan, target.dtype, ddtype)
+        self.num_pages = self._pool_pages(config, capacity, self.page_bytes, device)
         need = -(-(self.max_model_len + k_block + 1) // psize)
         if self.num_pages < need:
             raise ConfigError(f"the KV pool has {self.num_pages} pages of {psize} tokens, fewer than one request of "
@@ -354,13 +374,12 @@ class SlotEngine:
             raise ConfigError(f"{len(self.eos)} EOS ids; at most {MAX_STOP_IDS} stop ids fit a slot")
         check_token_ids(list(self.eos) or [0], tc.vocab_size, "eos_token_ids")
         enable_compilation_cache()
-        self.tparams, self.dparams = session.prepare_params(target, draft, None)
-        ddtype = self.dparams["fc"].dtype if self.dparams else target.dtype
         self.clock = _CompileClock()
-        self._progs = session.slot_programs(plan)
-        self._block = session.programs(plan).programs.block(int(self.block_cycles))
-        self._init = _Program(jax.jit(lambda: init_slots(plan, b, target.dtype, ddtype)))
-        self._acc = _Program(jax.jit(lambda: new_acc(plan, target.dtype)))
+        keys = (param_spec_key(self.tparams), param_spec_key(self.dparams)) if self.mesh is not None else (None, None)
+        self._progs = session.slot_programs(plan, *keys)
+        self._block = session.programs(plan, *keys).programs.block(int(self.block_cycles))
+        self._init = self._progs.init(b, target.dtype, ddtype)
+        self._acc = self._progs.acc(target.dtype)
         self._ctl = _RetrievalControl(spec, b) if plan.diffspec else None
         self._shape = _ShapeControl(plan, np.zeros(b, np.int64))
         self._host_len = np.zeros(b, np.int64)
@@ -400,14 +419,16 @@ class SlotEngine:
                            namespace=self._namespace, lookahead=self.plan.page_lookahead)
 
     @staticmethod
-    def _pool_pages(config: EngineConfig, capacity: int, page_bytes: int) -> int:
+    def _pool_pages(config: EngineConfig, capacity: int, page_bytes: int, device=None) -> int:
         """Pages of the K/V pool: ``num_kv_blocks``, else what ``kv_cache_memory_fraction`` of the device's memory
         holds beside what is in use (the weights), else (a device that does not report its memory, e.g. a CPU)
-        what ``max_num_seqs`` requests of the full capacity need, as fixed slots reserved."""
+        what ``max_num_seqs`` requests of the full capacity need, as fixed slots reserved. ``page_bytes`` and the
+        memory are per device (``device``: the mesh's first, every shard holding the same share: its KV heads of
+        every page, its slice of the weights)."""
         if config.num_kv_blocks is not None:
             return config.num_kv_blocks
         fixed = config.max_num_seqs * (capacity // config.block_size)
-        stats = memory.device_memory()
+        stats = memory.device_memory(device)
         if stats is None or "bytes_limit" not in stats:
             return fixed
         room = config.kv_cache_memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -422,6 +443,14 @@ class SlotEngine:
                                                     "off (this model's state is not all in pages)")
         return (f"K/V pool {self.num_pages} pages x {self.page_size} tokens = {tokens} tokens, {fit} request(s) of "
                 f"max_model_len at once; prefix caching {caching}")
+
+    def parallel_summary(self) -> str:
+        """Where the programs run: ``one device``, or the tensor-parallel mesh and the draft's layout on it."""
+        if self.mesh is None:
+            return "one device"
+        draft = ("" if self.draft is None else ", the draft replicated" if self.plan.draft_tp == 1
+                 else ", the draft sharded like it")
+        return f"the target sharded over {self.plan.tp} devices (tp {self.plan.tp}{draft})"
 
     @property
     def capacity(self) -> int:
@@ -753,8 +782,9 @@ class SlotEngine:
     def _sync_table(self) -> None:
         """The host's page table into the device state (before a program that reads or writes the cache)."""
         if self._table_dirty:
-            tc = self._state.target_cache
-            self._state = self._state.replace(target_cache=tc.replace(pages=jax.device_put(self._table.copy())))
+            tc = self._state.target_cache  # (laid out as the programs left it: every shard holds the whole table)
+            self._state = self._state.replace(target_cache=tc.replace(
+                pages=jax.device_put(self._table.copy(), tc.pages.sharding)))
             self._table_dirty = False
 
     def _grow(self, req: Request, length: int) -> bool:
@@ -920,9 +950,9 @@ class SlotEngine:
         item = self._pending.popleft()
         if item[0] == "start":
             _, req, slot, first, anchors, retrieve = item
-            first, anchors = jax.device_get((first, anchors))
+            first, anchors = jax.device_get((first, anchors))  # anchors [ranks, 1, A]: every rank's selection
             with self._alone(req, "starting"):
-                self._started(req, slot, int(first), anchors, retrieve)
+                self._started(req, slot, int(first), anchors[:, 0], retrieve)
         else:
             _, res, owners = item
             self._read_block(jax.device_get(res), owners)
@@ -937,6 +967,7 @@ class SlotEngine:
             if retrieve:
                 self._ctl.record(slot, anchors, len(req.prompt_ids) - 1, 0.0, True)
                 self._bump("retrievals", 1)
+                self._check_ranks(anchors, np.bool_(True))
             elif not self.spec.context.retrieve_after_prefill:
                 self._ctl.skip_prefill(slot)
         if req.first_token_at is None:
@@ -956,6 +987,7 @@ class SlotEngine:
             _replay(rec, int(res.steps), np.arange(self.num_slots), self._host_len, self._shape, self._ctl, 0.0)
             if rec.due is not None:
                 self._bump("retrievals", int((rec.due & rec.live).sum()))
+                self._check_ranks(rec.anchors, rec.due & rec.live)
         for r in np.nonzero(keep)[0]:
             req = owners[r]
             req.cycles += int(res.cycles[r])
@@ -967,6 +999,15 @@ class SlotEngine:
             if self._current(req, r) and bool(res.done[r]):
                 stopped = bool(toks) and toks[-1] in self._stopsets[r]
                 self._finish(req, "stop" if stopped else "length", release=False)
+
+    def _check_ranks(self, anchors: np.ndarray, retrieved: np.ndarray) -> None:
+        """Count the retrievals (``retrieved``, bool ``[...]``) whose tensor-parallel ranks selected different chunks
+        (``anchors`` int ``[ranks, ..., A]``: every rank's own selection; one rank without a mesh). Nonzero is a bug:
+        each rank's draft would read another working cache (the output stays the target's, acceptance drops)."""
+        differ = np.any(anchors != anchors[:1], axis=(0, anchors.ndim - 1))
+        n = int(np.sum(differ & retrieved))
+        if n:
+            self._bump("retrieval_rank_mismatches", n)
 
     def _deliver(self, req: Request, toks: list[int]) -> None:
         """Hand new tokens to the request: its output processor (stop strings) and its sink. A failure here fails
