@@ -703,16 +703,16 @@ class SlotEngine:
             elif kind == "abort":
                 self._abort(item)
             elif kind == "abort_all":
-                for req in list(self._waiting) + [r for r in self.slots if r is not None]:
-                    self._finish(req, "abort", release=True)
+                self._abort(None)
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str | None) -> None:
+        """End request ``request_id`` (``None``: every waiting and running request) with finish reason abort."""
         for req in list(self._waiting) + [r for r in self.slots if r is not None]:
-            if req.id == request_id:
+            if request_id is None or req.id == request_id:
                 self._finish(req, "abort", release=True)
 
     def _expire(self) -> None:
