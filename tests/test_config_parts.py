@@ -70,7 +70,7 @@ def test_from_flat_builds_the_parts():
     assert SpecConfig.from_flat({}) == SpecConfig()
     assert SpecConfig.from_flat({"draft_context_policy": "recent", "diffspec_verification_mode": "linear"}) == \
         SpecConfig(context=Recent(), verification=Chain())
-    assert len(FLAT_KEYS) == 21
+    assert len(FLAT_KEYS) == 24
     # values the chosen parts do not use are still checked (as the flat class did), then dropped
     with pytest.raises(ConfigError, match="diffspec_retrieval_interval must be a positive integer"):
         SpecConfig.from_flat({"draft_context_policy": "full", "diffspec_retrieval_interval": 0})

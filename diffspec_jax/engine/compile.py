@@ -116,7 +116,8 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
     cycle; ``block(c)`` the device loop of up to ``c`` cycles, ``(tparams, dparams, state, loop, stops, caps,
     budget) -> (state, loop, BlockOut)`` (state and loop donated). ``programs`` holds the ahead-of-time
     compiled :class:`_Program` versions :func:`generate` runs: ``prefill_first`` (a prompt's first chunk) and
-    ``prefill_chunk`` (the others), ``start_decode``, ``retrieve``,
+    ``prefill_chunk`` (the others), ``start_decode`` (``(state, acc, lengths, context)``, the context ``None`` unless
+    the plan has a :class:`~diffspec_jax.engine.drafter.Drafter`), ``retrieve``,
     ``block(c)`` and ``init(batch, target_dtype, draft_dtype)`` (``(key) -> DecodeState``).
     """
     dp = sharding.DP if plan.dp > 1 else None
@@ -138,7 +139,7 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
         prefill_chunk=make(_prefill_chunk, 2, (tparams, dparams, st, acc, rows2, rows2, row, row), (st, acc)),
         prefill_first=make(functools.partial(_prefill_chunk, first=True), 2,
                            (tparams, dparams, st, acc, rows2, rows2, row, row), (st, acc)),
-        start_decode=make(_start_decode, 0, (st, acc, row), (st, row)),
+        start_decode=make(_start_decode, 0, (st, acc, row, rows2 if plan.drafter is not None else None), (st, row)),
         retrieve=make(_retrieve, 2, (tparams, dparams, st, row), (st, P(tp, dp, None))),
         cycle=make(_spec_cycle if plan.speculative else _target_cycle, 2, (tparams, dparams, st, row), cycle_out))
     out.cycle_at = functools.lru_cache(maxsize=None)(

@@ -167,17 +167,19 @@ def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefill
 
 
 def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, acc: _PrefillAcc, slot, length,
-               limit, stops, retrieve, depth, floor):
+               limit, stops, retrieve, depth, floor, context=None):
     """Start decoding slot ``slot`` after its prefill.
 
     Args:
         length: int32 ``[1]`` the prompt length; limit: int32 ``[]`` the request's token limit; stops: int32
             ``[S]`` its stop ids (``-1`` padded); retrieve: bool ``[]`` run DiffSpec's retrieval after prefill
-            now; depth, floor: int32 ``[]`` the adaptive chain depth to start at (ignored without it).
+            now; depth, floor: int32 ``[]`` the adaptive chain depth to start at (ignored without it); context:
+            int32 ``[1, capacity]`` the slot's whole context, zero padded, for the plan's
+            :class:`~diffspec_jax.engine.drafter.Drafter` (``None`` without one).
     Returns:
         ``(state, loop, first token int32 [], anchors int32 [A] (the retrieval's; zeros without DiffSpec))``.
     """
-    rows, first = _start_decode(plan, _rows(state, slot), acc, length)
+    rows, first = _start_decode(plan, _rows(state, slot), acc, length, context)
     anchors = jnp.zeros((max(1, plan.spec.max_chunks - 1),), jnp.int32)
     if plan.diffspec:
         rows, ranks = _retrieve(plan, tparams, dparams, rows, retrieve[None])

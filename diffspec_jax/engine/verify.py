@@ -41,14 +41,21 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
     """
     rng, k_draft, k_verify = _split(plan, state.rng, 3)
     depth = plan.k if depth is None else depth
+    if plan.drafter is not None:  # a Drafter (engine.drafter): alone, or in front of the draft below
+        mine, q_mine, found = plan.drafter.propose(plan, state, depth)
     if plan.self_draft:  # the target drafts for itself (engine.self_draft)
         drafts, q, dcache, ret, n, window, tcache = self_propose(plan, tparams, state, active, k_draft, depth)
         state = state.replace(target_cache=tcache)
     elif plan.proposer is not None:
         drafts, q, dcache, ret, n, window = plan.proposer(plan, dparams, state, active, k_draft)
         drafts, q = drafts[:, :depth], None if q is None else q[:, :depth]
-    else:
+    elif plan.draft is not None:
         drafts, q, dcache, ret, n, window = draft_propose(plan, dparams, state, active, k_draft, depth)
+    else:
+        drafts, q, dcache, ret = mine, q_mine, state.draft_cache, state.retrieval
+        n = window = jnp.zeros_like(state.length)
+    if plan.drafter is not None and drafts is not mine:
+        drafts, q = _in_front(plan, found, mine, q_mine, drafts, q)
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     rows = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), block.shape)
     fam = family(plan.target)
@@ -72,6 +79,18 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
     return state, emitted, m, n, window
 
 
+def _in_front(plan: Plan, found, mine, q_mine, drafts, q):
+    """The drafter's proposal on the rows where it ``found`` one, the draft's on the others (and the q of each:
+    a one-hot q where one of the two drafts deterministically and the other does not)."""
+    merged = jnp.where(found[:, None], mine, drafts)
+    if q_mine is None and q is None:
+        return merged, None
+    one_hot = lambda d: jax.nn.one_hot(d, plan.target.vocab_size, dtype=jnp.float32)  # noqa: E731
+    q_mine = one_hot(mine) if q_mine is None else q_mine
+    q = one_hot(drafts) if q is None else q
+    return merged, jnp.where(found[:, None, None], q_mine, q)
+
+
 def _pad_cols(x: jax.Array, width: int) -> jax.Array:
     """Zero-pad axis 1 of ``x`` to ``width``."""
     pad = [(0, 0)] * x.ndim
@@ -83,6 +102,7 @@ def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, ou
     """Commit ``m`` accepted tokens + the correction/bonus: lengths, pending draft entries (features of the verify
     rows ``path [B, m+1 ...]``), the scoring query of the deepest accepted row. ``emitted [B, <= K+1]``."""
     k1 = plan.k + 1
+    length = state.length
     emitted = _pad_cols(emitted, k1)
     bonus = _rows(emitted, m)
     col = jnp.arange(k1)[None, :]
@@ -100,6 +120,8 @@ def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, ou
         length=keep(state.length + m + 1, state.length), last_token=keep(bonus, state.last_token),
         pend_tokens=keep(pend_tokens, state.pend_tokens), pend_feats=keep(feats, state.pend_feats),
         pend_count=keep(m + 1, state.pend_count))
+    if plan.drafter is not None:
+        state = state.replace(drafter=plan.drafter.update(plan, state.drafter, length, active, emitted, m))
     return state, emitted, m
 
 
