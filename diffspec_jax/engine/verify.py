@@ -7,12 +7,14 @@ Data path of one chain cycle (:func:`_spec_cycle`):
    with target aux features ``F_t``) are projected to pre-RoPE K/V (one layer: no attention needed) and stored
    at their absolute positions; for working-cache policies the cache is rebuilt (gather-RoPE-write of the
    history) and the root entry placed at slot ``n``; the root runs attention and proposes ``d_1``.
-2. **Chain.** Steps j = 1..K-1 feed ``(d_j, h2)`` at local position ``n + j``.
+2. **Chain.** Steps j = 1..K-1 feed ``(d_j, h2)`` at local position ``n + j``. (Self-drafting runs the target
+   over its working set instead; a plan's :class:`~diffspec_jax.engine.drafter.Drafter`, prompt lookup, proposes
+   from its own state, alone or, on the rows where it finds a proposal, in front of either draft.)
 3. **Verify.** The target runs ``[last_token, d_1..d_K]`` at positions ``length .. length + K`` in one step,
    returning logits, aux features and (DiffSpec) the scoring layer's queries and LSE.
 4. **Accept.** Greedy or rejection sampling gives ``m`` accepted drafts and the bonus; ``length += m + 1``; the
-   m + 1 verified entries become the next cycle's pending entries; the committed row's query and LSE are kept
-   for retrieval. Hybrid targets (Qwen3.5) verify with per-position state snapshots and the family's ``commit``
+   m + 1 verified entries become the next cycle's pending entries (and a Drafter's update); the committed row's
+   query and LSE are kept for retrieval. Hybrid targets (Qwen3.5) verify with per-position state snapshots and the family's ``commit``
    rolls their DeltaNet conv / recurrent states back to the state after the last accepted token (KV needs no
    rollback: rows beyond the committed length are masked and overwritten).
 """
@@ -54,7 +56,7 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
     else:
         drafts, q, dcache, ret = mine, q_mine, state.draft_cache, state.retrieval
         n = window = jnp.zeros_like(state.length)
-    if plan.drafter is not None and drafts is not mine:
+    if plan.drafter is not None and (plan.self_draft or plan.draft is not None):
         drafts, q = _in_front(plan, found, mine, q_mine, drafts, q)
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     rows = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), block.shape)
