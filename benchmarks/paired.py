@@ -8,7 +8,9 @@
 Methods: ``target`` (autoregressive, the reference), ``eagle3-full``, ``eagle3-recent``, ``diffspec``, and the
 target drafting for itself (``generate(target, "self")``, docs/self_drafting.md) over its sink chunk + recent window
 (``self-recent``), DiffSpec's selected chunks + sink + window (``self-diffspec``) or its full cache (``self-full``),
-all at ``--budget``. ``--draft self`` runs ``target,self-recent,self-diffspec`` (and ``diffspec``, from the demo
+all at ``--budget``; prompt lookup (``generate(target, "ngram")``, ``--ngram-min-n`` / ``--ngram-max-n``) alone
+(``ngram``) or in front of another method (``ngram+M``: ``NGram(first=True)``, method M's draft where no n-gram
+matches). ``--draft self`` runs ``target,self-recent,self-diffspec`` (and ``diffspec``, from the demo
 pair's EAGLE-3 draft, when no ``--target`` is given). For each
 context length the same prompts (``--workload``: ``windows``, random windows of the held-out packages, or
 ``recall``, windows that end by re-emitting a file they hold at least 3/4 of the context back; see
@@ -54,12 +56,14 @@ from diffspec_jax.corpus import WORKLOADS  # noqa: E402
 METHODS = ("target", "eagle3-full", "eagle3-recent", "diffspec")
 #: the target drafting for itself (no draft model), per working-set policy
 SELF_METHODS = ("self-recent", "self-diffspec", "self-full")
+#: prompt lookup alone, and in front of a draft (``ngram+M``: method M where no n-gram matches)
+NGRAM_METHODS = ("ngram", "ngram+eagle3-recent", "ngram+diffspec", "ngram+self-recent", "ngram+self-diffspec")
 #: every method: ``<x>-tree`` is method x with tree drafting + tree verification (``--tree-nodes``, ``--tree-topk``)
-ALL_METHODS = METHODS + ("eagle3-full-tree", "eagle3-recent-tree", "diffspec-tree") + SELF_METHODS
+ALL_METHODS = METHODS + ("eagle3-full-tree", "eagle3-recent-tree", "diffspec-tree") + SELF_METHODS + NGRAM_METHODS
 POLICY = {"eagle3-full": "full", "eagle3-recent": "recent", "diffspec": "diffspec", "self-recent": "recent",
           "self-diffspec": "diffspec", "self-full": "full"}
 #: methods whose acceptance is compared with every other speculative method's (:func:`comparisons`)
-COMPARED = ("diffspec", "self-diffspec")
+COMPARED = ("diffspec", "self-diffspec", "ngram")
 
 
 def build_prompts(ids: np.ndarray, context: int, count: int, seed: int) -> list[list[int]]:
@@ -84,15 +88,18 @@ def run_method(method, target, draft, prompts, args, repeat: int = 0):
     import diffspec_jax as dj
 
     tree = method.endswith("-tree")
+    behind = method.removeprefix("ngram+")  # the method that drafts where prompt lookup finds no match
     spec = dj.SpecConfig.from_flat(dict(num_speculative_tokens=args.k,
-                                        draft_context_policy=POLICY.get(method.removesuffix("-tree"), "full"),
+                                        draft_context_policy=POLICY.get(behind.removesuffix("-tree"), "full"),
+                                        ngram_min_n=args.ngram_min_n, ngram_max_n=args.ngram_max_n,
+                                        ngram_first=behind != method,
                                         diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
                                         diffspec_retrieval_interval=args.interval,
                                         diffspec_scoring_layer=args.scoring_layer, draft_sampling=args.draft_sampling,
                                         diffspec_verification_mode="tree" if tree else "auto",
                                         diffspec_max_tree_nodes=args.tree_nodes, diffspec_tree_topk=args.tree_topk))
     t0 = time.perf_counter()
-    drafter = None if method == "target" else "self" if method in SELF_METHODS else draft
+    drafter = {"target": None, "ngram": "ngram"}.get(method, "self" if behind in SELF_METHODS else draft)
     res = dj.generate(target, drafter, prompts, max_new_tokens=args.new_tokens, spec=spec, stop_token_ids=(),
                       max_cache_len=args.cache_len, seed=args.seed + repeat,
                       sampling=dj.SamplingConfig(temperature=args.temperature, top_p=args.top_p))
@@ -258,6 +265,8 @@ def main(argv=None) -> int:
                          f"{','.join(METHODS)}; with --draft self: target,self-recent,self-diffspec[,diffspec])")
     ap.add_argument("--tree-nodes", type=int, default=50, help="tree methods: nodes per verification")
     ap.add_argument("--tree-topk", type=int, default=8, help="tree methods: frontier width")
+    ap.add_argument("--ngram-min-n", type=int, default=1, help="ngram methods: the shortest suffix matched")
+    ap.add_argument("--ngram-max-n", type=int, default=3, help="ngram methods: the longest suffix matched")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--interval", type=int, default=4)
@@ -294,7 +303,7 @@ def main(argv=None) -> int:
 
     tdir = Path(args.target) if args.target else demo.target_dir()
     ddir = Path(args.draft) if args.draft and not self_draft else (demo.draft_dir() if not args.target else None)
-    eagle = [m for m in methods[1:] if m not in SELF_METHODS]
+    eagle = [m for m in methods[1:] if m.removeprefix("ngram+") not in SELF_METHODS + ("ngram",)]
     if ddir is None and eagle:
         raise SystemExit(f"methods {', '.join(eagle)} need an EAGLE-3 draft: --draft DIR (with --target)")
     target = dj.load_target(tdir, dtype=args.dtype)

@@ -6,8 +6,8 @@ Public API (stable):
 * :func:`load_draft` -- an EAGLE-3 draft (SpecForge / vLLM layout) bound to its target;
 * :func:`forward` -- full-sequence float32 logits of a loaded target;
 * :func:`generate` -- speculative (or target-only, ``draft=None``) generation, returning ``.tokens`` and ``.stats``;
-* :class:`SpecConfig` (its parts :class:`Full` / :class:`Recent` / :class:`DiffSpec` and :class:`Chain` /
-  :class:`Tree`), :class:`SamplingConfig` -- frozen, validated settings;
+* :class:`SpecConfig` (its parts :class:`Full` / :class:`Recent` / :class:`DiffSpec`, :class:`Chain` /
+  :class:`Tree` and :class:`NGram`), :class:`SamplingConfig` -- frozen, validated settings;
 * :func:`make_mesh` -- a ``("dp", "tp")`` device mesh for tensor / data parallelism (``generate(..., mesh=)``).
 
 Importing the package does not import JAX: the configuration classes and errors (NumPy only) load eagerly, and
@@ -18,8 +18,8 @@ the JAX-backed names load on first access (PEP 562 module ``__getattr__``). This
 from importlib import import_module as _import_module
 from typing import TYPE_CHECKING
 
-from diffspec_jax.config import (Chain, DiffSpec, DraftConfig, Full, ModelConfig, Recent, RopeConfig, SamplingConfig,
-                                 SpecConfig, Tree)
+from diffspec_jax.config import (Chain, DiffSpec, DraftConfig, Full, ModelConfig, NGram, Recent, RopeConfig,
+                                 SamplingConfig, SpecConfig, Tree)
 from diffspec_jax.errors import (CheckpointError, ConfigError, DiffspecError, InputError, OutOfMemoryError,
                                  UnsupportedModelError)
 
@@ -44,7 +44,7 @@ _LAZY = {
 
 __all__ = [
     "Chain", "CheckpointError", "ConfigError", "DiffSpec", "DiffspecError", "DraftConfig", "DraftModel", "Full",
-    "GenerateResult", "GenerateStats", "InputError", "ModelConfig", "OutOfMemoryError", "PrefixCache", "Recent",
+    "GenerateResult", "GenerateStats", "InputError", "ModelConfig", "NGram", "OutOfMemoryError", "PrefixCache", "Recent",
     "RopeConfig",
     "SamplingConfig", "SpecConfig", "TargetModel", "Tree",
     "UnsupportedModelError", "forward", "generate", "load_draft", "load_target", "make_mesh",

@@ -897,6 +897,9 @@ FIELD_CHECKS: dict[str, Callable[[Any, str], None]] = {
     "draft_tensor_parallel_size": _positive_or_none,
     "kernels": _choice(KERNEL_CHOICES),
     "deterministic": check_bool,
+    "ngram_min_n": _positive_int,
+    "ngram_max_n": _positive_int,
+    "ngram_first": check_bool,
 }
 #: the flat keys :meth:`SpecConfig.from_flat` accepts
 FLAT_KEYS = tuple(FIELD_CHECKS)
@@ -1090,6 +1093,42 @@ class Tree(_Part):
         return self.branching == "hazard" or self.adaptive
 
 
+# --- prompt lookup (``draft="ngram"``, or first in front of a draft with ``first``)
+#: the longest n-gram prompt lookup matches (each size is one pass over the token history per cycle)
+MAX_NGRAM = 32
+
+
+@dataclass(frozen=True)
+class NGram(_Part):
+    """Prompt-lookup drafting (``generate(target, "ngram", ...)``, ``--draft ngram``): the K tokens that followed
+    the most recent earlier occurrence of the sequence's last n tokens, for the largest n in ``min_n..max_n`` that
+    has one (:mod:`diffspec_jax.engine.ngram`). K is :attr:`SpecConfig.num_speculative_tokens`.
+
+    Attributes (flat keys ``ngram_<name>``):
+        min_n: the shortest suffix matched [1]: 1 proposes after any earlier occurrence of the last token, so a
+            copy is picked up from its first token on (a wrong proposal costs a verification that would run anyway).
+        max_n: the longest suffix matched [3]: longer matches are preferred, as the likelier continuations; at most
+            :data:`MAX_NGRAM`.
+        first: with a draft (an EAGLE-3 draft or ``"self"``): propose the prompt-lookup continuation on the rows
+            where an n-gram matches and the draft's own proposal on the others [False]; the draft still runs every
+            cycle (its state must follow the sequence). Raise ``min_n`` with it, so that weak one-token matches
+            leave the rows to the draft.
+    """
+
+    min_n: int = 1
+    max_n: int = 3
+    first: bool = False
+    FLAT: ClassVar[dict[str, str]] = {"min_n": "ngram_min_n", "max_n": "ngram_max_n", "first": "ngram_first"}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.min_n > self.max_n:
+            raise ConfigError(f"ngram_min_n ({self.min_n}) must be <= ngram_max_n ({self.max_n})")
+        if self.max_n > MAX_NGRAM:
+            raise ConfigError(f"ngram_max_n must be <= {MAX_NGRAM} (each n-gram size is one pass over the token "
+                              f"history per cycle), got {self.max_n}")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding settings, by feature.
@@ -1105,6 +1144,8 @@ class SpecConfig:
             and vLLM) or ``"sample"`` (drawn from the draft's processed distribution; verification uses that q;
             chains only). Greedy decoding always drafts by argmax.
         draft_tensor_parallel_size: with a mesh, 1 = replicated draft, or the target's tp [None = the target's].
+        ngram: prompt lookup's settings [:class:`NGram`] (``ngram_*``): used by ``draft="ngram"``, and with
+            ``NGram(first=True)`` in front of a draft.
         kernels: the hot paths' implementation, ``"auto"`` (Pallas on GPUs, the pure-JAX references elsewhere),
             ``"reference"`` or ``"pallas"`` [``$DIFFSPEC_KERNELS``, else ``"auto"``; :func:`default_kernels`].
         deterministic: bit-exact speculation [False]: greedy output identical to the bit to target-only decoding
@@ -1125,6 +1166,7 @@ class SpecConfig:
     draft_tensor_parallel_size: int | None = None
     kernels: str = field(default_factory=default_kernels)
     deterministic: bool = False
+    ngram: NGram = NGram()
 
     def __post_init__(self) -> None:
         for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size", "kernels",
@@ -1134,6 +1176,8 @@ class SpecConfig:
             raise ConfigError(f"context must be Full(), Recent(...) or DiffSpec(...), got {_show(self.context)}")
         if not isinstance(self.verification, (Chain, Tree)):
             raise ConfigError(f"verification must be Chain(...) or Tree(...), got {_show(self.verification)}")
+        if not isinstance(self.ngram, NGram):
+            raise ConfigError(f"ngram must be NGram(...), got {_show(self.ngram)}")
         k, v = self.num_speculative_tokens, self.verification
         if isinstance(v, Chain) and v.adaptive and v.long_context_depth > k:
             raise ConfigError(f"diffspec_long_context_depth ({v.long_context_depth}) must be <= "
@@ -1172,7 +1216,7 @@ class SpecConfig:
     def from_flat(cls, d: Mapping[str, Any]) -> SpecConfig:
         """A SpecConfig from the seed plugin's flat ``speculative_config`` keys (:data:`FLAT_KEYS`:
         ``num_speculative_tokens``, ``draft_context_policy``, ``draft_sampling``, ``diffspec_*``,
-        ``draft_tensor_parallel_size``, and ``kernels``). Absent keys take the defaults; every given value is
+        ``draft_tensor_parallel_size``, ``kernels`` and ``ngram_*``). Absent keys take the defaults; every given value is
         checked, also those the chosen policy and verification mode do not use; ``diffspec_adaptive_profile``
         switches on every adaptive part (retrieval interval, chain depth, tree node budget); the verification
         modes ``"auto"`` and ``"linear"`` are both :class:`Chain`. An unknown key is a ConfigError."""
@@ -1187,7 +1231,7 @@ class SpecConfig:
         verification = (Tree if d.get("diffspec_verification_mode") == Tree.mode else Chain).from_flat(d)
         top = {key: d[key] for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size",
                                        "kernels", "deterministic") if key in d}
-        return cls(context=context, verification=verification, **top)
+        return cls(context=context, verification=verification, ngram=NGram.from_flat(d), **top)
 
     def replace(self, **changes: Any) -> SpecConfig:
         return dataclasses.replace(self, **changes)

@@ -6,6 +6,7 @@ Examples::
     python -m diffspec_jax.generate --target T --draft D --prompt "def main():" --max-new-tokens 128
     python -m diffspec_jax.generate --target T --draft D --prompt-file long.py --policy diffspec --json
     python -m diffspec_jax.generate --target T --draft self --prompt-file long.py   # the target drafts for itself
+    python -m diffspec_jax.generate --target T --draft ngram --prompt-file long.py  # prompt lookup, no draft model
 
 The tokenizer (and, with ``--chat``, its chat template) comes from the target directory through
 ``transformers.AutoTokenizer`` when the directory has one; otherwise prompts are given as ids
@@ -42,7 +43,8 @@ from diffspec_jax import target as tgt
 from diffspec_jax.draft import load_draft
 from diffspec_jax.mesh import make_mesh
 from diffspec_jax.target import check_token_ids, load_target
-from diffspec_jax.config import KERNEL_CHOICES, KERNELS_ENV, DiffSpec, SamplingConfig, SpecConfig, Tree
+from diffspec_jax.config import KERNEL_CHOICES, KERNELS_ENV, DiffSpec, NGram, SamplingConfig, SpecConfig, Tree
+from diffspec_jax.engine.drafter import DRAFTERS
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
 from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_int, check_stop_strings,
                                      decode_text, quiet_library_notices, read_at_most, read_text, report_error)
@@ -122,8 +124,10 @@ def add_model_arguments(ap) -> None:
     that decode: this one and ``python -m diffspec_jax.serve``); :func:`model_dirs` reads them."""
     ap.add_argument("--target", help="Hugging Face or Orbax target directory (default: the embedded pair)")
     ap.add_argument("--draft", help="EAGLE-3 draft directory (default: the embedded pair's draft, if no --target), "
-                                    "or 'self': the target drafts for itself over its working set "
-                                    "(docs/self_drafting.md; a directory named self is ./self)")
+                                    "'self': the target drafts for itself over its working set "
+                                    "(docs/self_drafting.md), or 'ngram': prompt lookup, the continuation of the "
+                                    "longest recent n-gram match in the sequence (no draft model; --ngram-min-n, "
+                                    "--ngram-max-n). A directory named self or ngram is ./self or ./ngram")
     ap.add_argument("--no-draft", action="store_true", help="target-only autoregressive decoding (no draft)")
     ap.add_argument("--no-verify", action="store_true",
                     help="skip the integrity checks at load: the diffspec_manifest.json digests and the NaN / inf / "
@@ -134,20 +138,30 @@ def add_model_arguments(ap) -> None:
                          "which made bfloat16 decoding of the demo pair 3x slower than float32 on a 2-core CPU)")
 
 
+#: the ``--draft`` values that name a drafter instead of a directory
+NAMED_DRAFTS = (engine.SELF, *DRAFTERS)
+
+
+def named_draft(args) -> str | None:
+    """``--draft`` when it names a drafter (:data:`NAMED_DRAFTS`: ``self``, ``ngram``) and ``--no-draft`` is not
+    given; else ``None``."""
+    return args.draft if args.draft in NAMED_DRAFTS and not args.no_draft else None
+
+
 def model_dirs(args) -> tuple[Path, Path | None, bool]:
     """``(target_dir, draft_dir or None, embedded)`` from :func:`add_model_arguments`' options (no ``--target``:
-    the embedded demo pair). ``--draft self`` (the target drafts for itself) gives no draft directory, with or
-    without ``--target``."""
-    self_draft = args.draft == engine.SELF
+    the embedded demo pair). A named drafter (``--draft self``: the target drafts for itself; ``--draft ngram``:
+    prompt lookup) gives no draft directory, with or without ``--target``."""
+    named = args.draft in NAMED_DRAFTS
     embedded = args.target is None
-    if embedded and args.draft is not None and not self_draft:
+    if embedded and args.draft is not None and not named:
         raise ConfigError("--draft needs --target (the draft is bound to its target); without --target the "
                           "embedded demo pair runs, which brings its own draft")
     if embedded:
         target_dir, draft_dir = default_pair()
     else:
         target_dir, draft_dir = Path(args.target), Path(args.draft) if args.draft else None
-    return target_dir, None if args.no_draft or self_draft else draft_dir, embedded
+    return target_dir, None if args.no_draft or named else draft_dir, embedded
 
 
 def add_spec_arguments(ap) -> None:
@@ -176,6 +190,13 @@ def add_spec_arguments(ap) -> None:
                     help="tree mode: hazard | full | chain | shallow | deep | uniform<N>")
     ap.add_argument("--tree-threshold", type=float, default=Tree.threshold,
                     help="tree mode: stop expanding once a level adds less draft probability mass than this")
+    ap.add_argument("--ngram-min-n", type=int, default=NGram.min_n,
+                    help="--draft ngram (or --ngram-first): the shortest suffix prompt lookup matches")
+    ap.add_argument("--ngram-max-n", type=int, default=NGram.max_n,
+                    help="--draft ngram (or --ngram-first): the longest suffix prompt lookup matches (tried first)")
+    ap.add_argument("--ngram-first", action="store_true",
+                    help="with an EAGLE-3 draft or --draft self: prompt lookup proposes where an n-gram matches, the "
+                         "draft elsewhere (raise --ngram-min-n with it)")
     ap.add_argument("--adaptive", action="store_true",
                     help="adapt per sequence: retrieval interval, chain depth (chain mode), node budget (tree mode)")
     ap.add_argument("--kernels", default=None, choices=KERNEL_CHOICES,
@@ -212,8 +233,8 @@ def spec_from_args(args, draft_tp: int | None = None) -> SpecConfig:
         diffspec_retrieval_interval=args.retrieval_interval, diffspec_verification_mode=args.verification_mode,
         diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,
         diffspec_tree_branching=args.tree_branching, diffspec_tree_threshold=args.tree_threshold,
-        diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=draft_tp,
-        deterministic=args.deterministic)
+        diffspec_adaptive_profile=args.adaptive, draft_tensor_parallel_size=draft_tp, ngram_min_n=args.ngram_min_n,
+        ngram_max_n=args.ngram_max_n, ngram_first=args.ngram_first, deterministic=args.deterministic)
     if args.kernels is not None:
         flat["kernels"] = args.kernels
     return SpecConfig.from_flat(flat)
@@ -272,9 +293,13 @@ def _sampling(args, target_dir: Path) -> tuple[SamplingConfig, dict]:
 #: options that only shape speculative decoding: with --no-draft they would be ignored, so they are refused
 SPECULATIVE_OPTIONS = ("draft", "draft_tp", "compare", "num_speculative_tokens", "policy", "chunk_size", "token_budget",
                        "retrieval_interval", "verification_mode", "max_tree_nodes", "tree_topk", "tree_branching",
-                       "tree_threshold", "adaptive")
+                       "tree_threshold", "adaptive", "ngram_min_n", "ngram_max_n", "ngram_first")
 #: options of tree verification: refused unless --verification-mode tree (chain drafting ignores them)
 TREE_OPTIONS = ("max_tree_nodes", "tree_topk", "tree_branching", "tree_threshold")
+#: options of prompt lookup: refused unless --draft ngram or --ngram-first
+NGRAM_OPTIONS = ("ngram_min_n", "ngram_max_n")
+#: options of a draft's context: refused with --draft ngram (prompt lookup reads the whole sequence)
+CONTEXT_OPTIONS = ("policy", "chunk_size", "token_budget", "retrieval_interval")
 
 
 def given_options(argv: list[str] | None) -> dict[str, str]:
@@ -299,6 +324,15 @@ def check_option_combinations(args, given: dict[str, str]) -> None:
         raise ConfigError(f"{', '.join(tree)} shape{'' if len(tree) > 1 else 's'} tree verification, but "
                           f"--verification-mode is {args.verification_mode} (chain drafting); add --verification-mode "
                           f"tree or drop {'them' if len(tree) > 1 else 'it'}")
+    lookup = args.draft == "ngram" and not args.no_draft
+    ngram = [given[d] for d in NGRAM_OPTIONS if d in given]
+    if ngram and not (lookup or args.ngram_first):
+        raise ConfigError(f"{', '.join(ngram)} shape{'' if len(ngram) > 1 else 's'} prompt lookup, which runs with "
+                          f"--draft ngram or --ngram-first; add one or drop {'them' if len(ngram) > 1 else 'it'}")
+    context = [given[d] for d in CONTEXT_OPTIONS if d in given]
+    if context and lookup:
+        raise ConfigError(f"--draft ngram reads the whole sequence, so {', '.join(context)} would have no effect; "
+                          f"drop {'them' if len(context) > 1 else 'it'}")
     if args.chat and args.prompt_ids is not None:
         raise ConfigError("--chat wraps prompt text in the chat template, but --prompt-ids gives token ids; give the "
                           "text with --prompt or --prompt-file, or drop --chat")
@@ -317,15 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_option_combinations(args, given_options(argv))
         text = _prompt_text(args)  # before any model is loaded: a bad prompt file fails at once
-        self_draft = args.draft == engine.SELF and not args.no_draft
+        named = named_draft(args)
         target_dir, draft_dir, embedded = model_dirs(args)
         args.compare = compare_wanted(args, embedded)
         spec = spec_from_args(args, args.draft_tp)
         policy = spec.context.policy
         target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype), verify=not args.no_verify)
         sampling, gen_defaults = _sampling(args, target_dir)
-        draft = (engine.SELF if self_draft else load_draft(draft_dir, target, verify=not args.no_verify)
-                 if draft_dir is not None else None)
+        draft = named or (load_draft(draft_dir, target, verify=not args.no_verify) if draft_dir is not None else None)
         random_pair = (target_dir / "RANDOM_WEIGHTS.json").exists()
         tok = _tokenizer(target_dir)
         if args.stop and tok is None:
@@ -341,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         if random_pair and not args.json:
             print(f"[RANDOM weights in {target_dir}: the tokens are meaningless]", file=sys.stderr)
         if embedded and not args.json:
-            print(demo_banner(target_dir.parent, len(prompt), None if draft is None else policy, self_draft=self_draft,
-                              compare=args.compare), file=sys.stderr)
+            shown = "ngram (prompt lookup)" if named == "ngram" else policy
+            print(demo_banner(target_dir.parent, len(prompt), None if draft is None else shown,
+                              self_draft=named == engine.SELF, compare=args.compare), file=sys.stderr)
         if gen_defaults and not args.json and not sampling.greedy:
             print(f"[sampling as {target_dir / stopping.GENERATION_CONFIG} says: temperature {sampling.temperature:g}"
                   f", top_k {sampling.top_k}, top_p {sampling.top_p:g} (--temperature 0 for greedy)]",
@@ -365,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                                  on_text=console.text if tok is not None else None, progress=console.bar, **kwargs)
         console.close()
         report: dict = {"target": str(target_dir),
-                        "draft": engine.SELF if self_draft else str(draft_dir) if draft_dir else None,
+                        "draft": named or (str(draft_dir) if draft_dir else None),
                         "random_weights": random_pair, "prompt_ids": prompt, "ids": result.tokens[0],
                         "text": result.texts[0] if result.texts is not None else None,
                         "finish_reason": result.finish_reasons[0], "stop": list(stops),

@@ -6,6 +6,7 @@ Examples::
     python -m diffspec_jax.serve --target T --draft D --max-num-seqs 8 --max-model-len 65536 --policy diffspec
     python -m diffspec_jax.serve --target T --draft self                # the target drafts for itself
     python -m diffspec_jax.serve --target T --draft D --tp 4            # the target sharded over 4 devices
+    python -m diffspec_jax.serve --target T --draft ngram               # prompt lookup, no draft model
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "def main():", "max_tokens": 32, "temperature": 0}'
 
@@ -26,10 +27,10 @@ import sys
 import jax
 
 from diffspec_jax.draft import load_draft
-from diffspec_jax.engine.self_draft import SELF
 from diffspec_jax.errors import ConfigError, DiffspecError
 from diffspec_jax.generate import (_tokenizer, add_model_arguments, add_parallel_arguments, add_spec_arguments,
-                                   check_parallel_options, model_dirs, resolve_dtype_arg, spec_from_args)
+                                   check_parallel_options, model_dirs, named_draft, resolve_dtype_arg,
+                                   spec_from_args)
 from diffspec_jax.serving.scheduler import DEFAULT_MAX_MODEL_LEN, EngineConfig, SlotEngine
 from diffspec_jax.stopping import generation_defaults
 from diffspec_jax.target import load_target
@@ -158,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_model_len is None and config.max_model_len is not None:  # a CPU default: at most the context
             config = dataclasses.replace(config, max_model_len=min(config.max_model_len,
                                                                    target.config.max_position_embeddings))
-        draft = (SELF if args.draft == SELF and not args.no_draft
-                 else load_draft(draft_dir, target, verify=not args.no_verify) if draft_dir is not None else None)
+        draft = named_draft(args) or (load_draft(draft_dir, target, verify=not args.no_verify)
+                                      if draft_dir is not None else None)
         engine = SlotEngine(target, draft, spec, config)
         name = args.served_model_name or ("diffspec-demo" if embedded else target_dir.resolve().name)
         app = create_app(engine, tok, model_name=name, api_key=args.api_key, chat_template=template,

@@ -75,7 +75,7 @@ def test_from_flat_builds_the_parts():
         SpecConfig.from_flat({"deterministic": True, "diffspec_adaptive_profile": True})
     with pytest.raises(ConfigError, match="deterministic"):
         SpecConfig(deterministic="yes")
-    assert len(FLAT_KEYS) == 22
+    assert len(FLAT_KEYS) == 25
     # values the chosen parts do not use are still checked (as the flat class did), then dropped
     with pytest.raises(ConfigError, match="diffspec_retrieval_interval must be a positive integer"):
         SpecConfig.from_flat({"draft_context_policy": "full", "diffspec_retrieval_interval": 0})

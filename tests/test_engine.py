@@ -39,6 +39,23 @@ def test_greedy_speculative_output_equals_target_only(arch, k, targets, drafts, 
     assert s.new_tokens == NEW * len(LENGTHS)
 
 
+@pytest.mark.parametrize("behind, policy, page_size", [(None, "recent", None), ("eagle", "full", None),
+                                                      ("self", "recent", 16)])
+def test_greedy_prompt_lookup_output_equals_target_only(behind, policy, page_size, targets, drafts, prompts, baselines):
+    """Prompt lookup alone (``draft="ngram"``, the policy ignored) and in front of an EAGLE-3 draft or self-drafting
+    (``NGram(first=True)``: rows without a 2-gram match take the draft's tokens), dense and paged: the target's
+    tokens, and it drafts."""
+    draft = {None: "ngram", "eagle": drafts["llama"], "self": "self"}[behind]
+    spec = SpecConfig.from_flat(dict(num_speculative_tokens=3, ngram_min_n=2 if behind else 1, ngram_first=bool(behind),
+                                     draft_context_policy=policy, diffspec_chunk_size=8, diffspec_token_budget=40))
+    res = generate(targets["llama"], draft, prompts, max_new_tokens=NEW, spec=spec, stop_token_ids=(),
+                   page_size=page_size)
+    assert res.tokens == baselines["llama"]
+    s = res.stats
+    assert s.drafted_tokens == 3 * s.sequence_cycles and s.draft_context_policy == (policy if behind else None)
+    assert s.mean_acceptance_length > 1.2  # the random tiny target repeats itself: prompt lookup finds it
+
+
 def oracle(reference, accept_upto, plan, dparams, state, active, key):
     """Proposes the target's own greedy continuation: the first accept_upto[seq] drafts right, the rest wrong."""
     k = plan.spec.num_speculative_tokens

@@ -54,6 +54,7 @@ SPEC_FIELDS = {
     "diffspec_scorer": choice(["attention", "salience"]), "diffspec_redundancy_weight": reals(-1, 3),
     "diffspec_scoring_layer": st.one_of(st.none(), ints(-1, 5)), "draft_tensor_parallel_size": st.one_of(
         st.none(), ints(-1, 4)),
+    "ngram_min_n": ints(-1, 5), "ngram_max_n": ints(-1, 40), "ngram_first": choice([True, False]),
 }
 
 
@@ -72,6 +73,7 @@ def test_spec_config_works_or_raises_config_error(kw):
         assert tree.topk <= tree.max_nodes
     if spec.uses_working_cache:
         assert spec.max_chunks >= (2 if getattr(spec.context, "keep_sink_chunk", False) else 1)
+    assert 1 <= spec.ngram.min_n <= spec.ngram.max_n <= 32
     hash(spec)
 
 

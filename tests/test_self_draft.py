@@ -97,7 +97,8 @@ def prefilled(plan, target, prompts):
     state = engine.init_state(plan, b, jnp.float32, jnp.float32, 0)
     state, acc = fns.prefill_chunk(target.params, None, state, acc, toks[:, :CAPACITY], toks[:, 1:],
                                    jnp.zeros(b, jnp.int32), lengths)
-    state, first = fns.start_decode(state, acc, lengths)
+    context = jnp.asarray(pad_prompts(prompts, CAPACITY)) if plan.drafter is not None else None
+    state, first = fns.start_decode(state, acc, lengths, context)
     if plan.diffspec:
         state, _ = fns.retrieve(target.params, None, state, jnp.ones(b, bool))
     return state, np.asarray(first)
@@ -234,6 +235,55 @@ def test_self_draft_sampling_keeps_the_target_distribution(micro):
     accept_all = np.bincount(np.random.default_rng(0).choice(p.shape[0], counts.sum(), p=q / q.sum()),
                              minlength=p.shape[0])  # what emitting the drafts unverified would give
     assert chi_square_pvalue(accept_all, p / p.sum()) < 1e-3
+
+
+@pytest.mark.parametrize("behind", [None, "self"])
+def test_prompt_lookup_sampling_keeps_the_target_distribution(micro, behind):
+    """Prompt lookup alone and in front of self-drafting (sampled drafts over a 16-token window), 24,000 sampled
+    cycles of one context: on half the rows the token history (the drafter's own state, set here) holds one earlier
+    occurrence of the last token x, followed by a token d the target finds likely but not certain, so the lookup
+    drafts d (one-hot q); on the other half x never occurs before, so the rows take the last token repeated (alone)
+    or the self-draft's sampled tokens and q. In each half the first emitted token follows the target's processed
+    distribution (chi-square), and on the matching half a draft is accepted as often as p(d) says."""
+    from diffspec_jax.engine.ngram import NGramDrafter
+    from test_verification import chi_square_pvalue
+
+    prompt = random_prompts(4, [60], vocab=64)[0]
+    x = 7
+    sampling = SamplingConfig(temperature=0.9)
+    flat = dict(num_speculative_tokens=2, ngram_min_n=1, ngram_max_n=1, ngram_first=behind is not None)
+    if behind:
+        spec = self_draft_spec(SpecConfig.from_flat(dict(draft_context_policy="recent", draft_sampling="sample",
+                                                         diffspec_chunk_size=8, diffspec_token_budget=24, **flat)),
+                               micro.config)
+    else:
+        spec = SpecConfig.from_flat(flat)
+    plan = engine.Plan(target=micro.config, draft=None, spec=spec, sampling=sampling, aux_layers=(),
+                       capacity=CAPACITY, self_draft=behind == "self", drafter=NGramDrafter())
+    base, _ = prefilled(plan, micro, [prompt])
+    p = np.exp(np.asarray(processed_logprobs(forward(micro, [prompt + [x]])[0, -1], sampling), np.float64))
+    p /= p.sum()
+    d = int(np.argsort(-p)[1])  # the target's second choice
+    assert 0.05 < p[d] < 0.95 and d != x
+    hist = np.array(prompt + [x] + [0] * (CAPACITY - len(prompt) - 1), np.int32)
+    hist[:len(prompt)][hist[:len(prompt)] == x] = (x + 1) % 64  # no earlier x: no match
+    found = np.arange(N_BATCH) % 2 == 0
+    rows = np.repeat(hist[None], N_BATCH, axis=0)
+    rows[found, 10], rows[found, 11] = x, d  # one earlier x, followed by d
+    base = base.replace(last_token=jnp.full((1,), x, jnp.int32))
+    copies = jax.jit(lambda st, key: st.take(jnp.zeros(N_BATCH, jnp.int32)).replace(rng=key, drafter=jnp.asarray(rows)))
+    cycle = engine.compiled(plan).cycle
+    active = jnp.ones(N_BATCH, bool)
+    firsts, accepted = [], []
+    for i in range(N_CALLS):
+        _, emitted, m, _, _ = cycle(micro.params, None, copies(base, jax.random.PRNGKey(i)), active)
+        firsts.append(np.asarray(emitted[:, 0]))
+        accepted.append(np.asarray(m) > 0)
+    firsts, accepted = np.stack(firsts), np.stack(accepted)
+    for half in (found, ~found):
+        counts = np.bincount(firsts[:, half].ravel(), minlength=p.shape[0])
+        assert chi_square_pvalue(counts, p) > 1e-3
+    assert abs(accepted[:, found].mean() - p[d]) < 0.025  # the lookup drafted d on the matching rows
 
 
 # --------------------------------------------------------------------------------------------- errors and the CLI

@@ -185,7 +185,8 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
     cycle; ``block(c)`` the device loop of up to ``c`` cycles, ``(tparams, dparams, state, loop, stops, caps,
     budget) -> (state, loop, BlockOut)`` (state and loop donated). ``programs`` holds the ahead-of-time
     compiled :class:`_Program` versions :func:`generate` runs: ``prefill_first`` (a prompt's first chunk) and
-    ``prefill_chunk`` (the others), ``start_decode``, ``retrieve``,
+    ``prefill_chunk`` (the others), ``start_decode`` (``(state, acc, lengths, context)``, the context ``None`` unless
+    the plan has a :class:`~diffspec_jax.engine.drafter.Drafter`), ``retrieve``,
     ``block(c)`` and ``init(batch, target_dtype, draft_dtype)`` (``(key) -> DecodeState``).
     """
     sp = program_specs(plan, tspec_key, dspec_key)
@@ -196,7 +197,8 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
     out = SimpleNamespace(
         prefill_chunk=make(_prefill_chunk, 2, chunk_ins, (st, sp.acc)),
         prefill_first=make(functools.partial(_prefill_chunk, first=True), 2, chunk_ins, (st, sp.acc)),
-        start_decode=make(_start_decode, 0, (st, sp.acc, row), (st, row)),
+        start_decode=make(_start_decode, 0, (st, sp.acc, row, rows2 if plan.drafter is not None else None),
+                          (st, row)),
         retrieve=make(_retrieve, 2, (tparams, dparams, st, row), (st, sp.ranks)),
         cycle=make(_spec_cycle if plan.speculative else _target_cycle, 2, (tparams, dparams, st, row), cycle_out))
     out.cycle_at = functools.lru_cache(maxsize=None)(

@@ -31,7 +31,7 @@ from diffspec_jax.engine.compile import _CompileClock, capacity_bucket, enable_c
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopState, loop_specs
 from diffspec_jax.engine.prefill import _PrefillAcc
-from diffspec_jax.engine.self_draft import SELF, self_draft_spec, split_draft
+from diffspec_jax.engine.drafter import draft_spec, split_draft
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.prefix_cache import PrefixCache
 from diffspec_jax.engine.state import Plan, shared_pools, with_pools
@@ -298,7 +298,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     Args:
         target: from :func:`diffspec_jax.load_target`; draft: from :func:`diffspec_jax.load_draft`, ``"self"`` (the
             target drafts for itself over its working set: :mod:`diffspec_jax.engine.self_draft`, chains only, the
-            sink chunk always kept) or ``None``.
+            sink chunk always kept), ``"ngram"`` (prompt lookup: the continuation of the longest recent n-gram match
+            in the sequence, no draft model, :mod:`diffspec_jax.engine.ngram`, settings ``spec.ngram``, chains
+            only) or ``None``. ``spec.ngram.first`` with a draft or ``"self"``: prompt lookup where an n-gram
+            matches, the draft elsewhere.
         prompts: a list of token-id lists (lengths may differ).
         max_new_tokens: exactly this many tokens per prompt unless a stop token comes first.
         spec: :class:`SpecConfig` (K, draft context, verification, kernels; default ``SpecConfig()``, built at the
@@ -355,19 +358,19 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     session = default_session() if session is None else session
     if not isinstance(session, Session):
         raise ConfigError(f"session must be a diffspec_jax.engine.Session, got {type(session).__name__}")
-    draft, self_draft = split_draft(draft)
-    if self_draft and proposer is not None:
-        raise ConfigError(f"draft={SELF!r} drafts with the target itself; it cannot be combined with a custom "
-                          f"proposer")
+    choice = split_draft(draft)
+    draft, self_draft = choice.model, choice.self_draft
+    if (self_draft or choice.drafter is not None) and proposer is not None:
+        raise ConfigError("a custom proposer drafts alone; it cannot be combined with draft='self' or a named "
+                          "drafter")
     prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling, block_cycles)
     seed, stop_token_ids, max_cache_len, prefill_chunk = check_generate_args(
         target.config.vocab_size, seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
         prefill_chunk=prefill_chunk, on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh)
     stop = check_text_args(stop, tokenizer, on_text, skip_special_tokens)
     tc = target.config
-    if self_draft:
-        spec = self_draft_spec(spec, tc)
-    speculative = draft is not None or proposer is not None or self_draft
+    spec, drafter = draft_spec(choice, spec, tc)
+    speculative = draft is not None or proposer is not None or self_draft or drafter is not None
     if proposer is not None and spec.tree:
         raise ConfigError("a custom proposer drafts chains; it cannot be combined with diffspec_verification_mode="
                           "'tree'")
@@ -402,7 +405,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                 draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
                 aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
-                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft, paging=paging)
+                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft, paging=paging, drafter=drafter)
     enable_compilation_cache()
     stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
     tparams, dparams = session.prepare_params(target, draft, mesh, draft_tp)
@@ -468,7 +471,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         chunk = progs.prefill_first if first else progs.prefill_chunk
         state, acc = chunk(clock, tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
                            jnp.asarray(tokens[:, s + 1:s + width + 1]), jnp.asarray(starts + s), jl)
-    state, first = progs.start_decode(clock, state, acc, jl)
+    context = None  # a drafter's view of the prompts (a prefix cache's reused pages hold no tokens)
+    if drafter is not None:
+        context = _put(plan, pad_prompts(prompts, capacity), P(sharding.DP if plan.dp > 1 else None, None))
+    state, first = progs.start_decode(clock, state, acc, jl, context)
     first = np.asarray(first)
     stats.host_syncs += 1
     stats.ttft_s = time.perf_counter() - t_call - clock.seconds

@@ -132,7 +132,7 @@ def _state_bytes(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple:
 
     total = part("target_cache"), part("draft_cache")
     rest = sum(part(n) for n in ("retrieval", "length", "last_token", "pend_tokens", "pend_feats", "pend_count",
-                                 "seq_id", "rng", "sampling"))
+                                 "seq_id", "rng", "sampling", "drafter"))
     return ("kv", total[0]), ("draft", total[1]), ("other", rest)
 
 

@@ -59,8 +59,10 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
     return state, acc
 
 
-def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths):
-    """Sample the first token x_P and make entry P-1 (x_P, F_{P-1}) the pending root."""
+def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths, context=None):
+    """Sample the first token x_P and make entry P-1 (x_P, F_{P-1}) the pending root; a plan's
+    :class:`~diffspec_jax.engine.drafter.Drafter` prepares its state from ``context`` (int32 ``[B, capacity]``, the
+    prompts zero padded; ``None`` without a drafter)."""
     rng, key = _split(plan, state.rng)
     if state.sampling is None:
         first = choose(key, acc.logits, plan.sampling)
@@ -77,4 +79,6 @@ def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths):
         pend_count=jnp.ones_like(lengths, jnp.int32) if k1 > 1 else state.pend_count)
     if state.retrieval is not None and plan.score_layer is not None:
         state = state.replace(retrieval=state.retrieval.replace(score_q=acc.score_q, score_lse=acc.score_lse))
+    if plan.drafter is not None:
+        state = state.replace(drafter=plan.drafter.prepare(plan, state.drafter, context, lengths, first))
     return state, first

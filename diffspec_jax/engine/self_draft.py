@@ -38,19 +38,6 @@ def is_self(draft) -> bool:
     return isinstance(draft, str) and draft == SELF
 
 
-def split_draft(draft):
-    """``(draft model or None, self-drafting)`` of a ``draft`` argument: a loaded draft, :data:`SELF` or ``None``.
-
-    Raises:
-        ConfigError: any other string."""
-    if isinstance(draft, str):
-        if not is_self(draft):
-            raise ConfigError(f"draft must be a loaded draft (load_draft), {SELF!r} (the target drafts for itself) "
-                              f"or None, got {draft!r}")
-        return None, True
-    return draft, False
-
-
 def self_draft_spec(spec: SpecConfig, target: ModelConfig) -> SpecConfig:
     """The :class:`SpecConfig` a self-drafting run uses: ``spec`` with the sink chunk kept (working-set policies),
     after checking what self-drafting supports.

@@ -177,19 +177,21 @@ def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefill
 
 
 def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, acc: _PrefillAcc, slot, length,
-               limit, stops, retrieve, depth, floor):
+               limit, stops, retrieve, depth, floor, context=None):
     """Start decoding slot ``slot`` after its prefill.
 
     Args:
         length: int32 ``[1]`` the prompt length; limit: int32 ``[]`` the request's token limit; stops: int32
             ``[S]`` its stop ids (``-1`` padded); retrieve: bool ``[]`` run DiffSpec's retrieval after prefill
-            now; depth, floor: int32 ``[]`` the adaptive chain depth to start at (ignored without it).
+            now; depth, floor: int32 ``[]`` the adaptive chain depth to start at (ignored without it); context:
+            int32 ``[1, capacity]`` the slot's whole context, zero padded, for the plan's
+            :class:`~diffspec_jax.engine.drafter.Drafter` (``None`` without one).
     Returns:
         ``(state, loop, first token int32 [], anchors int32 [1, 1, A])``: the retrieval's anchors as this
         tensor-parallel rank selected them (zeros without DiffSpec), stacked over the ranks by the program's out
         specs (``[ranks, 1, A]``), so the host can check that every rank selected the same chunks.
     """
-    rows, first = _start_decode(plan, _rows(state, slot), acc, length)
+    rows, first = _start_decode(plan, _rows(state, slot), acc, length, context)
     ranks = jnp.zeros((1, 1, max(1, plan.spec.max_chunks - 1)), jnp.int32)
     if plan.diffspec:
         rows, ranks = _retrieve(plan, tparams, dparams, rows, retrieve[None])
@@ -273,7 +275,7 @@ def slot_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace
         reset=make(slot_reset, 0, (st,) + (one,) * 5, st),
         prefill=make(slot_prefill, (2, 3), chunk_ins, (st, acc, one)),
         prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3), chunk_ins, (st, acc, one)),
-        start=make(slot_start, (2, 3), (sp.tparams, sp.dparams, st, ls, acc) + (one,) * 7,
+        start=make(slot_start, (2, 3), (sp.tparams, sp.dparams, st, ls, acc) + (one,) * 8,
                    (st, ls, one, sp.ranks)),
         release=make(slot_release, 0, (ls, one), ls),
         flush=make(slot_flush, 1, (sp.dparams, st, one), st),

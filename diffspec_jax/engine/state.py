@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,8 @@ class DecodeState:
         sampling: :class:`~diffspec_jax.sampling.SamplingRows`, each row's own sampling parameters and key (the
             server's slots), or ``None`` (``generate()``: the plan's static :class:`SamplingConfig` and ``rng``
             serve every row).
+        drafter: the plan's :class:`~diffspec_jax.engine.drafter.Drafter`'s own per-row state (batch-first
+            arrays; prompt lookup: the token history int32 ``[B, capacity]``), ``None`` without one.
     """
 
     target_cache: KVCache | HybridCache
@@ -55,6 +57,7 @@ class DecodeState:
     seq_id: jax.Array
     rng: jax.Array
     sampling: SamplingRows | None = None
+    drafter: Any = None
 
     def take(self, rows: np.ndarray) -> DecodeState:
         """Keep batch rows ``rows`` (compaction when sequences finish; a paged state's pools stay whole, the rows'
@@ -117,6 +120,9 @@ class Plan:
     #: each row samples with its own parameters and key (``DecodeState.sampling``: the server's request slots);
     #: else every row samples by ``sampling`` (``generate()``)
     row_sampling: bool = False
+    #: a :class:`~diffspec_jax.engine.drafter.Drafter` (prompt lookup), alone or in front of ``draft`` /
+    #: ``self_draft`` (its rows without a proposal take theirs)
+    drafter: Any = None
 
     @property
     def kernels(self) -> str:
@@ -144,7 +150,7 @@ class Plan:
 
     @property
     def speculative(self) -> bool:
-        return self.draft is not None or self.proposer is not None or self.self_draft
+        return self.draft is not None or self.proposer is not None or self.self_draft or self.drafter is not None
 
     @property
     def k(self) -> int:
@@ -248,7 +254,8 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int, po
         pend_tokens=jnp.zeros((batch, k1), jnp.int32),
         pend_feats=jnp.zeros((batch, k1, feat), target_dtype),
         pend_count=jnp.zeros((batch,), jnp.int32), seq_id=jnp.arange(batch, dtype=jnp.int32),
-        rng=jax.random.PRNGKey(seed), sampling=SamplingRows.create(batch) if plan.row_sampling else None)
+        rng=jax.random.PRNGKey(seed), sampling=SamplingRows.create(batch) if plan.row_sampling else None,
+        drafter=plan.drafter.init(plan, batch) if plan.drafter is not None else None)
 
 
 def _rows(x: jax.Array, row: jax.Array) -> jax.Array:
@@ -296,7 +303,8 @@ def state_specs(plan: Plan) -> DecodeState:
     return DecodeState(target_cache=tcache, draft_cache=dcache,
                        retrieval=ret,
                        length=P(dp), last_token=P(dp), pend_tokens=P(dp, None), pend_feats=P(dp, None, None),
-                       pend_count=P(dp), seq_id=P(dp), rng=P(), sampling=rows)
+                       pend_count=P(dp), seq_id=P(dp), rng=P(), sampling=rows,
+                       drafter=plan.drafter.specs(plan, dp) if plan.drafter is not None else None)
 
 
 def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:

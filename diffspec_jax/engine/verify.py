@@ -7,12 +7,14 @@ Data path of one chain cycle (:func:`_spec_cycle`):
    with target aux features ``F_t``) are projected to pre-RoPE K/V (one layer: no attention needed) and stored
    at their absolute positions; for working-cache policies the cache is rebuilt (gather-RoPE-write of the
    history) and the root entry placed at slot ``n``; the root runs attention and proposes ``d_1``.
-2. **Chain.** Steps j = 1..K-1 feed ``(d_j, h2)`` at local position ``n + j``.
+2. **Chain.** Steps j = 1..K-1 feed ``(d_j, h2)`` at local position ``n + j``. (Self-drafting runs the target
+   over its working set instead; a plan's :class:`~diffspec_jax.engine.drafter.Drafter`, prompt lookup, proposes
+   from its own state, alone or, on the rows where it finds a proposal, in front of either draft.)
 3. **Verify.** The target runs ``[last_token, d_1..d_K]`` at positions ``length .. length + K`` in one step,
    returning logits, aux features and (DiffSpec) the scoring layer's queries and LSE.
 4. **Accept.** Greedy or rejection sampling gives ``m`` accepted drafts and the bonus; ``length += m + 1``; the
-   m + 1 verified entries become the next cycle's pending entries; the committed row's query and LSE are kept
-   for retrieval. Hybrid targets (Qwen3.5) verify with per-position state snapshots and the family's ``commit``
+   m + 1 verified entries become the next cycle's pending entries (and a Drafter's update); the committed row's
+   query and LSE are kept for retrieval. Hybrid targets (Qwen3.5) verify with per-position state snapshots and the family's ``commit``
    rolls their DeltaNet conv / recurrent states back to the state after the last accepted token (KV needs no
    rollback: rows beyond the committed length are masked and overwritten).
 """
@@ -41,14 +43,21 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
     """
     rng, k_draft, k_verify = _split(plan, state.rng, 3)
     depth = plan.k if depth is None else depth
+    if plan.drafter is not None:  # a Drafter (engine.drafter): alone, or in front of the draft below
+        mine, q_mine, found = plan.drafter.propose(plan, state, depth)
     if plan.self_draft:  # the target drafts for itself (engine.self_draft)
         drafts, q, dcache, ret, n, window, tcache = self_propose(plan, tparams, state, active, k_draft, depth)
         state = state.replace(target_cache=tcache)
     elif plan.proposer is not None:
         drafts, q, dcache, ret, n, window = plan.proposer(plan, dparams, state, active, k_draft)
         drafts, q = drafts[:, :depth], None if q is None else q[:, :depth]
-    else:
+    elif plan.draft is not None:
         drafts, q, dcache, ret, n, window = draft_propose(plan, dparams, state, active, k_draft, depth)
+    else:
+        drafts, q, dcache, ret = mine, q_mine, state.draft_cache, state.retrieval
+        n = window = jnp.zeros_like(state.length)
+    if plan.drafter is not None and (plan.self_draft or plan.draft is not None):
+        drafts, q = _in_front(plan, found, mine, q_mine, drafts, q)
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     rows = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), block.shape)
     fam = family(plan.target)
@@ -72,6 +81,18 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
     return state, emitted, m, n, window
 
 
+def _in_front(plan: Plan, found, mine, q_mine, drafts, q):
+    """The drafter's proposal on the rows where it ``found`` one, the draft's on the others (and the q of each:
+    a one-hot q where one of the two drafts deterministically and the other does not)."""
+    merged = jnp.where(found[:, None], mine, drafts)
+    if q_mine is None and q is None:
+        return merged, None
+    one_hot = lambda d: jax.nn.one_hot(d, plan.target.vocab_size, dtype=jnp.float32)  # noqa: E731
+    q_mine = one_hot(mine) if q_mine is None else q_mine
+    q = one_hot(drafts) if q is None else q
+    return merged, jnp.where(found[:, None, None], q_mine, q)
+
+
 def _pad_cols(x: jax.Array, width: int) -> jax.Array:
     """Zero-pad axis 1 of ``x`` to ``width``."""
     pad = [(0, 0)] * x.ndim
@@ -83,6 +104,7 @@ def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, ou
     """Commit ``m`` accepted tokens + the correction/bonus: lengths, pending draft entries (features of the verify
     rows ``path [B, m+1 ...]``), the scoring query of the deepest accepted row. ``emitted [B, <= K+1]``."""
     k1 = plan.k + 1
+    length = state.length
     emitted = _pad_cols(emitted, k1)
     bonus = _rows(emitted, m)
     col = jnp.arange(k1)[None, :]
@@ -100,6 +122,8 @@ def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, ou
         length=keep(state.length + m + 1, state.length), last_token=keep(bonus, state.last_token),
         pend_tokens=keep(pend_tokens, state.pend_tokens), pend_feats=keep(feats, state.pend_feats),
         pend_count=keep(m + 1, state.pend_count))
+    if plan.drafter is not None:
+        state = state.replace(drafter=plan.drafter.update(plan, state.drafter, length, active, emitted, m))
     return state, emitted, m
 
 

@@ -64,7 +64,8 @@ from diffspec_jax.engine.compile import _CompileClock, enable_compilation_cache,
 from diffspec_jax.engine import memory
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
-from diffspec_jax.engine.self_draft import SELF, self_draft_spec, split_draft
+from diffspec_jax.engine.drafter import draft_spec, split_draft
+from diffspec_jax.engine.self_draft import SELF
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
@@ -309,16 +310,16 @@ class SlotEngine:
             raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
         spec = SpecConfig() if spec is None else spec
         self.session = session = default_session() if session is None else session
-        draft, self.self_draft = split_draft(draft)
+        choice = split_draft(draft)
+        draft, self.self_draft = choice.model, choice.self_draft
         _validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
-        if self.self_draft:
-            spec = self_draft_spec(spec, target.config)
+        spec, self.drafter = draft_spec(choice, spec, target.config)
         if spec.draft_sampling != "argmax":
             raise ConfigError(f"draft_sampling={spec.draft_sampling!r}: request slots draft by argmax (each slot "
                               f"samples with its own settings at verification); use draft_sampling='argmax'")
         tc = target.config
         self.target, self.draft, self.spec, self.config = target, draft, spec, config
-        speculative = draft is not None or self.self_draft
+        speculative = draft is not None or self.self_draft or self.drafter is not None
         k = spec.num_speculative_tokens if speculative else 0
         k_block = spec.verification.max_nodes if speculative and spec.tree else k
         self.max_model_len = config.max_model_len or min(tc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -340,7 +341,8 @@ class SlotEngine:
         plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                     draft=draft.config if draft is not None else None, spec=spec, sampling=SamplingConfig(),
                     aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, paging=(1, psize),
-                    self_draft=self.self_draft, mesh=self.mesh, draft_tp=draft_tp, row_sampling=True)
+                    self_draft=self.self_draft, mesh=self.mesh, draft_tp=draft_tp, row_sampling=True,
+                    drafter=self.drafter)
         # the params laid out on the mesh (refusing heads that do not divide), before the pool is sized beside them
         self.tparams, self.dparams = session.prepare_params(target, draft, self.mesh, draft_tp)
         ddtype = self.dparams["fc"].dtype if self.dparams else target.dtype
@@ -570,11 +572,15 @@ class SlotEngine:
 
     @property
     def policy(self) -> str:
-        """The drafting policy, as metrics label it: ``target-only``, the draft context policy, or ``self-`` and
-        the self-draft's policy."""
+        """The drafting policy, as metrics label it: ``target-only``, the draft context policy, ``self-`` and the
+        self-draft's policy, or a drafter's name (``ngram``; ``ngram+`` before a draft's policy it is in front of)."""
         if self.self_draft:
-            return f"{SELF}-{self.spec.context.policy}"
-        return self.spec.context.policy if self.draft is not None else "target-only"
+            name = f"{SELF}-{self.spec.context.policy}"
+        elif self.draft is not None:
+            name = self.spec.context.policy
+        else:
+            return self.drafter.name if self.drafter is not None else "target-only"
+        return f"{self.drafter.name}+{name}" if self.drafter is not None else name
 
     # ----------------------------------------------------------------------------------------- engine thread
     def _bump(self, key: str, n: int = 1) -> None:
@@ -761,6 +767,16 @@ class SlotEngine:
                 self._admissions[slot] = _Admission(req, slot, tokens, n, self._acc(self.clock), start=start,
                                                     length=len(ids))
 
+    def _drafter_context(self, req: Request) -> np.ndarray | None:
+        """The slot's whole context, zero padded to the capacity, for the plan's drafter (``None`` without one): a
+        prefix cache's reused pages hold no tokens."""
+        if self.drafter is None:
+            return None
+        ids = self._context(req)
+        out = np.zeros((1, self.capacity), np.int32)
+        out[0, :len(ids)] = ids
+        return out
+
     @staticmethod
     def _context(req: Request) -> np.ndarray:
         """The tokens a request's slot must hold before it decodes on: its prompt, and after a preemption the
@@ -917,7 +933,7 @@ class SlotEngine:
         self._state, self._loop, first, anchors = self._progs.start(
             self.clock, self.tparams, self.dparams, self._state, self._loop, a.acc, np.int32(slot), length,
             np.int32(p.max_tokens - len(req.tokens)), self._stops[slot].copy(), np.bool_(retrieve), np.int32(depth),
-            np.int32(floor))
+            np.int32(floor), self._drafter_context(req))
         req.phase = "decode"
         req.marks["started"] = time.monotonic()
         self._pending.append(("start", req, slot, first, anchors, retrieve))
