@@ -28,7 +28,7 @@ install-test: $(PY)
 	$(PY) -m pip install -q -e ".[test,serve]" 2> $(VENV)/install.log || { cat $(VENV)/install.log >&2; exit 1; }
 
 test: install-test
-	$(PY) -m pytest -q -n auto --dist worksteal tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n auto --dist worksteal --durations=15 tests $(PYTEST_ARGS)
 
 demo: install
 	$(PY) -m diffspec_jax.generate

@@ -1,10 +1,44 @@
-"""Shared fixtures. Four virtual CPU devices are configured before JAX is imported (tensor-parallel tests)."""
+"""Shared fixtures. Four virtual CPU devices are configured before JAX is imported (tensor-parallel tests), and
+XLA:CPU is told to compile fast (:data:`FAST_COMPILE_FLAGS`)."""
 
 import os
+import subprocess
+import sys
 
+#: XLA:CPU options for the tests: most of the suite's time is XLA compiling many small programs that then run for
+#: milliseconds. LLVM at -O0 with the classic loop emitters for fusions compiles them in about half the CPU time
+#: (-O0 alone saves a quarter; the emitter switch alone nothing). The code runs slower, which only tests that run
+#: much (the demo pair serving many requests) notice; the suite passes unchanged under either setting.
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def _xla_accepts(flags) -> bool:
+    """Whether this jaxlib's XLA accepts ``flags`` (an unknown flag in XLA_FLAGS kills the process), asked of a
+    child process."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags))
+    try:
+        return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, timeout=120,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def subprocess_xla_flags() -> str:
+    """XLA_FLAGS for a child process of one CPU device (a server): this session's compile options without the
+    virtual devices."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if f in FAST_COMPILE_FLAGS)
+
+
+# asked once per test session: xdist workers and the tests' subprocesses inherit XLA_FLAGS with the options in it.
+# XLA_FLAGS that already names either option (e.g. level 3, to test at XLA's defaults) is left as it is.
+_flags = os.environ.get("XLA_FLAGS", "").split()
+if not {f.split("=")[0] for f in _flags} & {f.split("=")[0] for f in FAST_COMPILE_FLAGS}:
+    _flags += FAST_COMPILE_FLAGS if _xla_accepts(FAST_COMPILE_FLAGS) else [
+        f for f in FAST_COMPILE_FLAGS if _xla_accepts([f])]  # an XLA that dropped one of them
 _flag = "--xla_force_host_platform_device_count=4"
-if _flag not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+if _flag not in _flags:
+    _flags.append(_flag)
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -12,9 +46,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("DIFFSPEC_DIGEST_CACHE", "off")  # digests are remembered in-process only, never in ~/.cache
 if "DIFFSPEC_COMPILATION_CACHE" not in os.environ:
-    # the engine's persistent compilation cache, in a directory of this test process's own (one per xdist worker;
-    # removed at exit): a program one test compiled loads in the next test that builds it (about a fifth off the
-    # engine-heavy modules' time). Never the user's ~/.cache. Tests of the cache itself point it elsewhere.
+    # the engine's persistent compilation cache, in a directory of this test session's own (made by the first
+    # process that imports this file: under xdist the controller, whose environment the workers and the tests'
+    # subprocesses inherit; removed at exit): a program one test compiled loads in the next test that builds it
+    # (about a fifth off the engine-heavy modules' time). Never the user's ~/.cache. Tests of the cache itself
+    # point it elsewhere.
     import atexit
     import shutil
     import tempfile

@@ -43,31 +43,45 @@ def test_target_runs_in_transformers_and_matches_our_forward(tokenizer):
     assert rel_err(ours, hf_logits(hf, ids)) <= 1e-4
 
 
+#: the demo prompt's windows decoded by the lossless tests, the tokens each decodes, and the chain configuration
+WINDOWS, NEW_TOKENS = ((0, 900), (5000, 5600)), 48
+CHAIN = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_token_budget=512))
+
+
+@pytest.fixture(scope="module")
+def decoded(tokenizer):
+    """``decoded(dtype)``: the pair loaded in ``dtype``, its prompts, and their target-only and chain DiffSpec
+    results (each computed once: the float32 ones serve the chain and the tree test)."""
+    done = {}
+
+    def get(dtype):
+        if dtype not in done:
+            target = load_target(demo.target_dir(), dtype=dtype)
+            draft = load_draft(demo.draft_dir(), target)
+            ids = tokenizer(demo.prompt_text())["input_ids"]
+            prompts = [ids[a:b] for a, b in WINDOWS]
+            base = generate(target, None, prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=())
+            chain = generate(target, draft, prompts, max_new_tokens=NEW_TOKENS, spec=CHAIN, stop_token_ids=())
+            done[dtype] = target, draft, prompts, base, chain
+        return done[dtype]
+
+    return get
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_speculative_equals_target_only_on_the_pair(dtype, tokenizer):
-    target = load_target(demo.target_dir(), dtype=dtype)
-    draft = load_draft(demo.draft_dir(), target)
-    ids = tokenizer(demo.prompt_text())["input_ids"]
-    prompts = [ids[:1200], ids[3000:3700]]
-    base = generate(target, None, prompts, max_new_tokens=40, stop_token_ids=())
-    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_token_budget=512))
-    res = generate(target, draft, prompts, max_new_tokens=40, spec=spec, stop_token_ids=())
+def test_greedy_speculative_equals_target_only_on_the_pair(dtype, decoded):
+    """Prompts longer than the 512-token working cache: retrieval runs, and the output is target-only's."""
+    _, _, _, base, res = decoded(dtype)
     assert res.tokens == base.tokens
     assert res.stats.mean_acceptance_length > 1.3
     assert res.stats.retrieval["aggregate"]["retrievals"] >= 2
 
 
-def test_tree_mode_on_the_pair_is_lossless_and_accepts_deeper(tokenizer):
+def test_tree_mode_on_the_pair_is_lossless_and_accepts_deeper(decoded):
     """Trees on a trained pair: deep accepted paths (so the KV moves of non-consecutive rows are exercised), output
-    identical to target-only, and at least the chain's acceptance length on the same prompt."""
-    target = load_target(demo.target_dir(), dtype="float32")
-    draft = load_draft(demo.draft_dir(), target)
-    ids = tokenizer(demo.prompt_text())["input_ids"]
-    prompts = [ids[:900], ids[5000:5600]]
-    base = generate(target, None, prompts, max_new_tokens=48, stop_token_ids=())
-    chain = generate(target, draft, prompts, max_new_tokens=48, stop_token_ids=(),
-                     spec=SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_token_budget=512)))
-    tree = generate(target, draft, prompts, max_new_tokens=48, stop_token_ids=(),
+    identical to target-only, and at least the chain's acceptance length on the same prompts."""
+    target, draft, prompts, base, chain = decoded("float32")
+    tree = generate(target, draft, prompts, max_new_tokens=NEW_TOKENS, stop_token_ids=(),
                     spec=SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_token_budget=512,
                                                    diffspec_verification_mode="tree", diffspec_max_tree_nodes=16,
                                                    diffspec_tree_topk=4)))

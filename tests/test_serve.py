@@ -68,6 +68,8 @@ def server_process(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "chat.jinja").write_text(TEMPLATE)
     port = _free_port()
+    # XLA's default optimization (not the tests' fast-compile flags): this server runs the demo pair through many
+    # requests, where -O0 code costs more than it saves in compiling
     env = dict(os.environ, JAX_PLATFORMS="cpu", DIFFSPEC_COMPILATION_CACHE="0", XLA_FLAGS="")
     cmd = [sys.executable, "-m", "diffspec_jax.serve", "--port", str(port), "--max-num-seqs", str(SLOTS),
            "--max-model-len", str(MAX_LEN), "--prefill-chunk", str(CHUNK), "--policy", "diffspec",
@@ -776,11 +778,12 @@ def test_queue_limit_and_cancelled_streams_free_their_slots(server, prompts):
 
 def _raw(server, parts, pause=0.0, wait=10.0) -> tuple[bytes, float]:
     """Send ``parts`` (bytes) over one loopback socket, ``pause`` seconds apart, and read until the server closes
-    the connection (or ``wait`` seconds pass): ``(what came back, seconds from the first byte sent to the end)``.
-    Sending stops once the server has closed the connection."""
+    the connection (or ``wait`` seconds pass): ``(what came back, seconds from connecting to the end)``. (The clock
+    starts before the connection is made: the server's timers start when it accepts, which a busy client thread can
+    see returned later.) Sending stops once the server has closed the connection."""
     host, port = server.removeprefix("http://").split(":")
+    t0 = time.monotonic()
     with socket.create_connection((host, int(port)), timeout=wait) as sock:
-        t0 = time.monotonic()
         for i, part in enumerate(parts):
             if i and pause:
                 time.sleep(pause)

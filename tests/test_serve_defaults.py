@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import subprocess_xla_flags
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
@@ -88,7 +90,8 @@ def test_no_argument_server_runs_the_docs_examples_and_shuts_down_in_two_steps(t
         curl, py = curl.replace(DOC_ADDRESS, address), py.replace(DOC_ADDRESS, address)
     url = f"http://{address}"
     log = tmp_path / "server.log"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", DIFFSPEC_COMPILATION_CACHE="0", XLA_FLAGS="")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", DIFFSPEC_COMPILATION_CACHE="0",
+               XLA_FLAGS=subprocess_xla_flags())
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "diffspec_jax.serve", *args], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT)

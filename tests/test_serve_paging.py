@@ -106,13 +106,13 @@ def test_prefix_cache_and_preemption(pair, engine):
 
     # (2) four requests that together need more pages than the pool has: preemption, then recomputation
     errs = []
-    load = [Request(ids[37 * i: 37 * i + 150], SamplingParams(max_tokens=200, ignore_eos=True), errs.append)
+    load = [Request(ids[37 * i: 37 * i + 250], SamplingParams(max_tokens=100, ignore_eos=True), errs.append)
             for i in range(4)]
     _run(engine, load)
     assert not [e for e in errs if e.kind == "error"], [e.message for e in errs if e.kind == "error"]
     assert engine.metrics()["total_preemptions"] > 0 and sum(r.preemptions for r in load) > 0
     for r in load:
-        assert r.finish_reason == "length" and r.tokens == _reference(pair, r.prompt_ids, 200)
+        assert r.finish_reason == "length" and r.tokens == _reference(pair, r.prompt_ids, 100)
     assert engine.metrics()["compiles_after_warmup"] == 0
     _idle_pages_ok(engine)
 
