@@ -82,7 +82,8 @@ def main(argv=None) -> None:
                 srv_runs = [server_time(client, url, args.prompt, args.max_new_tokens, temp,
                                         1 + i % args.cli_runs) for i in range(args.requests)]
                 c, s = statistics.median(r["s"] for r in cli), statistics.median(r["s"] for r in srv_runs)
-                res[name] = {"temperature": temp, "cli_s": [r["s"] for r in cli], "server_s": [r["s"] for r in srv_runs],
+                res[name] = {"temperature": temp, "cli_s": [r["s"] for r in cli],
+                             "server_s": [r["s"] for r in srv_runs],
                              "cli_median_s": c, "server_median_s": s, "server_over_cli": s / c,
                              "server_tokens": sorted({r["tokens"] for r in srv_runs})}
                 print(f"{name}: CLI median {c:.3f} s, server median {s:.3f} s, ratio {s / c:.2f}", flush=True)

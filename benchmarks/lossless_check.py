@@ -53,11 +53,10 @@ POLICIES = ("full", "recent", "diffspec", "self")
 
 
 def _spec(policy: str | None, deterministic: bool, dj):
+    """The SpecConfig of a method: target-only (``None``), an EAGLE-3 policy, or ``self`` (self + diffspec)."""
     flat = dict(deterministic=deterministic)
-    if policy not in (None, "self"):
-        flat["draft_context_policy"] = policy
-    elif policy == "self":
-        flat["draft_context_policy"] = "diffspec"
+    if policy is not None:
+        flat["draft_context_policy"] = "diffspec" if policy == "self" else policy
     return dj.SpecConfig.from_flat(flat)
 
 

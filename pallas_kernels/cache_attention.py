@@ -185,7 +185,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
             jnp.zeros((rows,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, n_tiles, body, init)
     saw = n_tiles > 0
-    if causal and not inline:  # the block rows prefix .. prefix + steps - 1, once, by the split whose range holds row `prefix`
+    if causal and not inline:  # the block rows prefix .. prefix + steps - 1, once, by the split whose range
+        # holds row `prefix`
         owns = s == jnp.minimum(length // (tiles_per_split * block), splits - 1)
         width = next_pow2(steps, 16)
 
@@ -237,7 +238,7 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     rows, row_blocks, block, tiles_per_split, splits = launch_plan(b, t, hq, hkv, s_len, block=block, splits=splits,
                                                                    max_rows=max_rows, paged=pages is not None,
                                                                    deterministic=deterministic)
-    stages = default_tiling(32 if deterministic else rows, pages is not None)[1]
+    stages = default_tiling(32 if deterministic else rows, pages is not None)[1]  # deterministic: a verify tiling
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
                                tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d,
                                cols=next_pow2(d, 16), scale=scale, precision=dot_precision(k.dtype), causal=causal,

@@ -14,9 +14,9 @@ Data path of one chain cycle (:func:`_spec_cycle`):
    returning logits, aux features and (DiffSpec) the scoring layer's queries and LSE.
 4. **Accept.** Greedy or rejection sampling gives ``m`` accepted drafts and the bonus; ``length += m + 1``; the
    m + 1 verified entries become the next cycle's pending entries (and a Drafter's update); the committed row's
-   query and LSE are kept for retrieval. Hybrid targets (Qwen3.5) verify with per-position state snapshots and the family's ``commit``
-   rolls their DeltaNet conv / recurrent states back to the state after the last accepted token (KV needs no
-   rollback: rows beyond the committed length are masked and overwritten).
+   query and LSE are kept for retrieval. Hybrid targets (Qwen3.5) verify with per-position state snapshots and the
+   family's ``commit`` rolls their DeltaNet conv / recurrent states back to the state after the last accepted token
+   (KV needs no rollback: rows beyond the committed length are masked and overwritten).
 """
 
 from __future__ import annotations
