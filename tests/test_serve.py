@@ -839,7 +839,8 @@ def test_request_size_slow_clients_and_connection_cap(server):
     for k in ("headers", "body", "silent"):
         response, took = out[k]
         assert _status(response) == 408 and b"request_timeout" in response, (k, response)
-        assert READ_TIMEOUT <= took < READ_TIMEOUT + 5, (k, took)
+        # asyncio fires a timer up to its clock resolution early (a 408 was seen at 1.49990 s of a 1.5 s timeout)
+        assert READ_TIMEOUT - 0.01 <= took < READ_TIMEOUT + 5, (k, took)
     socks, t0 = [], time.monotonic()
     try:
         while len(socks) < CONNECTIONS + 1:  # silent, so none is served: the last is past the cap
