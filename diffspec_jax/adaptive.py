@@ -1,12 +1,14 @@
-"""Host-side per-sequence controllers for tree drafting and adaptive chain depth (no JAX).
+"""Host-side per-sequence controllers for tree drafting (no JAX), and the adaptive chain depth's constants.
 
-These run on the host between jitted cycles, one instance per sequence (or request slot), so every
+The tree controllers run on the host between device blocks, one instance per sequence (or request slot), so every
 tensor-parallel rank acts on the same decision:
 
 * :class:`HazardProfile` -- hazard-guided branching caps for tree mode (docs/method.md section 9);
 * :func:`static_caps` / :func:`make_caps_controller` -- the static branching alternatives and a common factory;
-* :class:`NodeBudget` -- the tree node budget that grows with observed pressure and never shrinks (section 9);
-* :class:`AdaptiveDepth` -- adaptive chain depth with a long-context floor (section 8).
+* :class:`NodeBudget` -- the tree node budget that grows with observed pressure and never shrinks (section 9).
+
+The adaptive chain depth with its long-context floor (section 8) is decided on the device, by its one definition,
+:func:`diffspec_jax.engine.loop.depth_observe`, with the ``DEPTH_*`` constants below.
 
 Frozen constants (docs/method.md section 10, "Fixed constants"):
 
@@ -255,60 +257,3 @@ class NodeBudget:
         """JSON-serialisable state: budget, base, top, max_nodes, observation count and the last pressure."""
         return {"budget": self._budget, "base": self.base, "top": self.top, "max_nodes": self.max_nodes,
                 "steps": self.steps, "pressure": float(self.pressure)}
-
-
-class AdaptiveDepth:
-    """Adaptive chain depth of one sequence (docs/method.md section 8).
-
-    Short sequences start at depth ``k`` with floor ``k`` (the depth then never changes); from
-    ``long_context_threshold`` committed tokens the floor is ``long_context_depth``. The threshold is re-tested
-    every cycle, so a request that grows past it gets the lower floor (its depth then drifts down only through bad
-    cycles). A fresh instance is in the state of ``start(0)``.
-    """
-
-    def __init__(self, k: int, long_context_threshold: int = 49152, long_context_depth: int = 2):
-        self.k = _int("k", k, 1)
-        self.long_context_threshold = _int("long_context_threshold", long_context_threshold, 0)
-        self.long_context_depth = _int("long_context_depth", long_context_depth, 1, self.k)
-        self.start(0)
-
-    @property
-    def depth(self) -> int:
-        """The chain depth to draft next cycle."""
-        return self._depth
-
-    @property
-    def floor(self) -> int:
-        """The lowest depth allowed at the current length."""
-        return self._floor
-
-    def _floor_for(self, length: int) -> int:
-        return self.long_context_depth if length >= self.long_context_threshold else self.k
-
-    def start(self, length: int) -> int:
-        """Reset for a new sequence whose committed length is ``length``; returns the start depth (= the floor)."""
-        self._floor = self._floor_for(_int("length", length, 0))
-        self._depth = self._floor
-        self._good = self._bad = 0
-        return self._depth
-
-    def observe(self, emitted: int, length: int) -> int:
-        """Book a cycle that emitted ``emitted`` tokens (bonus included) and left ``length`` committed tokens;
-        returns the depth for the next cycle."""
-        emitted = _int("emitted", emitted, 0)
-        self._floor = self._floor_for(_int("length", length, 0))
-        frac = max(0, emitted - 1) / self._depth
-        if frac >= DEPTH_GOOD_FRAC:
-            self._good, self._bad = self._good + 1, 0
-        elif frac <= DEPTH_BAD_FRAC:
-            self._good, self._bad = 0, self._bad + 1
-        else:
-            self._good = self._bad = 0
-        if self._good >= DEPTH_GOOD_COUNT and self._depth < self.k:
-            self._depth += 1
-            self._good = 0
-        if self._bad >= DEPTH_BAD_COUNT and self._depth > self._floor:
-            self._depth -= 1
-            self._bad = 0
-        self._depth = max(self._depth, self._floor)
-        return self._depth

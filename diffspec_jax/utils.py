@@ -6,7 +6,8 @@ import threading
 
 from jax import monitoring
 
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+#: the ``jax.monitoring`` event of one XLA backend compilation (counted here and by the server's engine)
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _lock = threading.Lock()
 _count = 0
 _registered = False
@@ -14,7 +15,7 @@ _registered = False
 
 def _listener(event: str, duration: float, **kwargs) -> None:
     global _count
-    if event == _BACKEND_COMPILE_EVENT:
+    if event == BACKEND_COMPILE_EVENT:
         with _lock:
             _count += 1
 

@@ -14,8 +14,8 @@ import pytest
 
 from conftest import random_prompts
 from diffspec_jax import SpecConfig, engine, generate
-from diffspec_jax.adaptive import AdaptiveDepth
 from diffspec_jax.errors import ConfigError
+from diffspec_jax.retrieval_control import RetrievalControl
 from diffspec_jax.utils import CompileCounter
 
 LENGTHS = (23, 61, 40)  # test_engine's prompts and lengths: the programs compiled here are shared with it
@@ -110,27 +110,39 @@ CADENCE_SPEC = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffsp
                                          num_speculative_tokens=3, diffspec_retrieval_interval=2, diffspec_adaptive_profile=True))
 
 
+def _as_cadence(ctl: RetrievalControl, num_chunks: int) -> dict[str, np.ndarray]:
+    """The host cadence's state of every sequence as the fields of a :class:`Cadence`."""
+    col = lambda f: np.array([int(f(c)) for c in ctl.c], np.int32)  # noqa: E731
+    selected = np.zeros((len(ctl.c), num_chunks), bool)
+    for r, c in enumerate(ctl.c):
+        selected[r, list(c._selected or ())] = True
+    return dict(since=col(lambda c: c._since), interval=col(lambda c: c.interval),
+                accept_sum=col(lambda c: c._accept_sum), accept_n=col(lambda c: c._accept_n),
+                prev_sum=col(lambda c: c._prev_sum), prev_n=col(lambda c: c._prev_n), selected=selected)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_device_cadence_decides_what_retrieval_control_decides(seed):
     """Random streams of cycles (rows idle at times, acceptance in steady stretches with drops, selections mostly
-    stable with changes): every due decision, interval and counter of the on-device cadence equals
-    RetrievalControl's, and the adaptive interval both doubles and resets along the way."""
+    stable with changes): every due decision, interval and counter of the device's cadence (the JAX engine's)
+    equals the torch bridge's host cadence (RetrievalControl), and the adaptive interval both doubles and resets
+    along the way."""
     spec, b, nc = CADENCE_SPEC, 4, 128
     hb, a = spec.history_budget, spec.max_chunks - 1  # 80, 4
     plan = SimpleNamespace(spec=spec)
     rng = np.random.default_rng(seed)
-    ctl = engine._RetrievalControl(spec, b)
+    ctl = RetrievalControl(spec, b)
     root = rng.integers(60, 200, b)  # grows to at most 200 + 300 x 4 < nc x CHUNK
     stable = [np.sort(rng.choice(int(r) // CHUNK, a, replace=False)) for r in root]
     for i in range(b):  # the retrieval after prefill, for the rows whose context does not fit
         if root[i] > hb:
             ctl.record(i, stable[i], int(root[i]), 1.0, after_prefill=True)
-    cad = engine.Cadence(**{k: jnp.asarray(v) for k, v in ctl.device_cadence(np.arange(b), nc).items()})
+    cad = engine.Cadence(**{k: jnp.asarray(v) for k, v in _as_cadence(ctl, nc).items()})
 
     @jax.jit
     def step(cad, active, m, root, anchors):
-        cad, due = engine._cadence_due(plan, cad, active, m, root)
-        return engine._cadence_record(plan, cad, due, jnp.where(due[:, None], anchors, -1), root), due
+        cad, due = engine.cadence_due(plan, cad, active, m, root)
+        return engine.cadence_record(plan, cad, due, jnp.where(due[:, None], anchors, -1), root), due
 
     intervals = set()
     accept = rng.integers(0, 4, b)
@@ -152,43 +164,11 @@ def test_device_cadence_decides_what_retrieval_control_decides(seed):
             assert ctl.due(int(i), int(root[i])) == bool(due[i])
             if due[i]:
                 ctl.record(int(i), anchors[i], int(root[i]), 1.0, after_prefill=False)
-        mirror = ctl.device_cadence(np.arange(b), nc)
+        mirror = _as_cadence(ctl, nc)
         for k, v in mirror.items():
             np.testing.assert_array_equal(np.asarray(getattr(cad, k)), v, err_msg=k)
         intervals.update(int(x) for x in mirror["interval"])
     assert {2, 4} <= intervals  # grown and reset
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_device_depth_decides_what_adaptive_depth_decides(seed):
-    spec = SpecConfig.from_flat(dict(num_speculative_tokens=5, diffspec_adaptive_profile=True, diffspec_long_context_threshold=120,
-                                     diffspec_long_context_depth=2))
-    plan = SimpleNamespace(spec=spec, k=5)
-    rng = np.random.default_rng(seed)
-    b = 6
-    length = rng.integers(40, 160, b)
-    host = [AdaptiveDepth(5, 120, 2) for _ in range(b)]
-    for h, n in zip(host, length):
-        h.start(int(n))
-    dc = engine.DepthControl(depth=jnp.asarray([h.depth for h in host], jnp.int32),
-                             floor=jnp.asarray([h.floor for h in host], jnp.int32), good=jnp.zeros(b, jnp.int32),
-                             bad=jnp.zeros(b, jnp.int32))
-    observe = jax.jit(lambda dc, active, m, length: engine._depth_observe(plan, dc, active, m, length))
-    seen = set()
-    share = rng.random(b)
-    for _ in range(300):
-        active = rng.random(b) < 0.9
-        share = np.where(rng.random(b) < 0.1, rng.random(b), share)  # good and bad stretches
-        depth = np.asarray(dc.depth)
-        m = np.minimum(depth, rng.binomial(depth, share))
-        length = length + np.where(active, m + 1, 0)
-        dc = observe(dc, jnp.asarray(active), jnp.asarray(m, jnp.int32), jnp.asarray(length, jnp.int32))
-        for i in np.nonzero(active)[0]:
-            host[i].observe(int(m[i]) + 1, int(length[i]))
-        assert np.asarray(dc.depth).tolist() == [h.depth for h in host]
-        assert np.asarray(dc.floor).tolist() == [h.floor for h in host]
-        seen.update((i, h.depth) for i, h in enumerate(host))
-    assert len({d for _, d in seen}) >= 3  # depths moved both ways
 
 
 # ------------------------------------------------------------------------------ shapes and compile cache
@@ -205,9 +185,9 @@ def test_capacity_buckets():
 
 
 def test_stop_ids_are_padded_to_a_static_size():
-    assert engine._stop_ids({7, 3}).tolist() == [3, 7] + [-1] * 6
-    assert engine._stop_ids(set()).tolist() == [-1] * 8
-    assert engine._stop_ids(set(range(9))).shape == (16,)
+    assert engine.stop_ids({7, 3}).tolist() == [3, 7] + [-1] * 6
+    assert engine.stop_ids(set()).tolist() == [-1] * 8
+    assert engine.stop_ids(set(range(9))).shape == (16,)
 
 
 def test_block_cycles_must_be_a_positive_integer(targets):
@@ -227,7 +207,7 @@ def test_compilation_cache_setting(monkeypatch):
 
 
 def _user_configured_jax_cache() -> bool:
-    return bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")) or engine._jax_cache_config_before().dir is not None
+    return bool(os.environ.get("JAX_COMPILATION_CACHE_DIR")) or engine.compile._jax_cache_config_before().dir is not None
 
 
 def test_persistent_compilation_cache_is_switched_on_by_generate(targets, tmp_path, monkeypatch):
@@ -254,7 +234,7 @@ def test_a_cache_directory_configured_for_jax_is_left_alone(tmp_path, monkeypatc
     monkeypatch.setenv(engine.COMPILATION_CACHE_ENV, str(tmp_path / "ours"))
     try:
         for before_first_call in (True, False):  # configured before the first generate() or after ours applied
-            engine._jax_cache_config_before.cache_clear()
+            engine.compile._jax_cache_config_before.cache_clear()
             if not before_first_call:
                 assert engine.enable_compilation_cache() == str(tmp_path / "ours")
             jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
@@ -263,6 +243,6 @@ def test_a_cache_directory_configured_for_jax_is_left_alone(tmp_path, monkeypatc
             jax.config.update("jax_compilation_cache_dir", None)
     finally:
         jax.config.update("jax_compilation_cache_dir", None)
-        engine._jax_cache_config_before.cache_clear()
+        engine.compile._jax_cache_config_before.cache_clear()
         cc.reset_cache()
         assert not (tmp_path / "mine").exists() and not (tmp_path / "ours").exists()  # nothing was compiled

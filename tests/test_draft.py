@@ -122,7 +122,7 @@ def test_engine_chain_drafts_match_numpy_chain(arch, targets, drafts):
     plan = engine.Plan(target=target.config, draft=draft.config, spec=SpecConfig(num_speculative_tokens=k),
                        sampling=SamplingConfig(), aux_layers=draft.aux_layers, capacity=256)
     state = engine.init_state(plan, 1, jnp.float32, jnp.float32, 0)
-    acc = engine._PrefillAcc(logits=jnp.zeros((1, 256)), aux=jnp.zeros((1, 3 * 64)),
+    acc = engine.PrefillAcc(logits=jnp.zeros((1, 256)), aux=jnp.zeros((1, 3 * 64)),
                              score_q=jnp.zeros((1, 4, target.config.head_dim)), score_lse=jnp.zeros((1, 4)))
     toks = np.zeros((1, 65), np.int32)
     toks[0, :30] = prompt

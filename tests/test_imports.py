@@ -192,3 +192,85 @@ def test_package_namespace_is_the_public_api():
     assert not names & helpers and not any(hasattr(diffspec_jax, n) for n in helpers)
     assert not [n for n in names if n.startswith("_") and not n.endswith("__")]
     assert diffspec_jax.SpecConfig().num_speculative_tokens >= 1  # an eager name; the lazy ones are in __all__
+
+
+# ------------------------------------------------------------------------------------- the engine's private names
+#: trees whose modules may import only the engine's public names (``diffspec_jax/engine/`` itself excepted)
+SCANNED = ("diffspec_jax", "benchmarks", "checkpoints_tools", "tests")
+ENGINE = "diffspec_jax.engine"
+
+
+def _private_engine_imports(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """``(line, dotted name)`` of every import of a leading-underscore name from an ``diffspec_jax.engine`` module
+    in ``source`` (module ``module``), at any depth (function-local imports included)."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if base == ENGINE or base.startswith(ENGINE + "."):
+                out += [(node.lineno, f"{base}.{a.name}") for a in node.names if a.name.startswith("_")]
+                out += [(node.lineno, base)] if any(p.startswith("_") for p in base.split(".")) else []
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith(ENGINE + ".")
+                    and any(p.startswith("_") for p in a.name.split("."))]
+    return out
+
+
+def test_the_private_import_scan_sees_what_it_must():
+    src = ("from diffspec_jax.engine.driver import generate, _replay\n"
+           "from diffspec_jax.engine import _Program\n"
+           "def f():\n    from .loop import _block\n"
+           "import diffspec_jax.engine._hidden\n"
+           "from diffspec_jax.engine import loop, generate\n"
+           "from diffspec_jax.models import _private\n")
+    top = [(1, "diffspec_jax.engine.driver._replay"), (2, "diffspec_jax.engine._Program"),
+           (5, "diffspec_jax.engine._hidden")]
+    assert sorted(_private_engine_imports(src, "diffspec_jax.user")) == top  # `.loop` is diffspec_jax.loop there
+    assert sorted(_private_engine_imports(src, "diffspec_jax.engine.user")) == sorted(
+        top + [(4, "diffspec_jax.engine.loop._block")])
+
+
+def test_nothing_outside_the_engine_imports_its_private_names():
+    """The server, the CLI, tests and benchmarks import only the engine's public names: a helper the engine shares
+    with them is public in one home (:mod:`diffspec_jax.engine.rules` for the host-side rules)."""
+    bad = []
+    for top in SCANNED:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if "__pycache__" in rel.parts or rel.parts[:2] == ("diffspec_jax", "engine"):
+                continue
+            parts = rel.with_suffix("").parts
+            module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found = _private_engine_imports(path.read_text(encoding="utf-8"), module, parts[-1] == "__init__")
+            bad += [f"{rel}:{line}: {name}" for line, name in found]
+    assert not bad, "private engine names imported outside diffspec_jax/engine/:\n" + "\n".join(bad)
+
+
+def test_the_engine_package_exports_only_public_names():
+    import diffspec_jax.engine as engine
+
+    assert not [n for n in engine.__all__ if n.startswith("_")]
+    assert not [n for n in vars(engine) if n.startswith("_") and not n.endswith("__")]
+    assert all(hasattr(engine, n) for n in engine.__all__)
+
+
+# ------------------------------------------------------------------------------------------ function length
+#: the longest a library function may be, in lines from its ``def`` to its last line (decorators excluded)
+MAX_FUNCTION_LINES = 120
+
+
+def test_no_library_function_is_longer_than_the_limit():
+    long = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name} ({n} lines)")
+    assert not long, f"functions longer than {MAX_FUNCTION_LINES} lines (split them):\n" + "\n".join(long)

@@ -7,7 +7,7 @@ import pytest
 
 from diffspec_jax import DiffSpec, Full, SpecConfig
 from diffspec_jax.config import DraftConfig, RopeConfig
-from diffspec_jax.engine import _RetrievalControl
+from diffspec_jax.retrieval_control import RetrievalControl
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.retrieval import chunk_scores_reference, salience_scores, select_chunks, update_chunk_sums
 from diffspec_jax.working_cache import (
@@ -249,7 +249,7 @@ def test_defaults_follow_the_reference_table():
 def test_adaptive_interval_doubles_on_stable_selections_and_resets_on_change():
     spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_chunk_size=4, diffspec_token_budget=64,
                                      num_speculative_tokens=3, diffspec_retrieval_interval=8, diffspec_adaptive_profile=True))
-    ctl = _RetrievalControl(spec, 1)
+    ctl = RetrievalControl(spec, 1)
     root = 400  # newest chunk 100
     same = np.array([[1, 2, 3] + [-1] * 11])  # [ranks, A]
 

@@ -90,7 +90,7 @@ def prefilled(plan, target, prompts):
     fns = engine.compiled(plan)
     cfg, b = target.config, len(prompts)
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    acc = engine._PrefillAcc(logits=jnp.zeros((b, cfg.vocab_size)), aux=jnp.zeros((b, 1)),
+    acc = engine.PrefillAcc(logits=jnp.zeros((b, cfg.vocab_size)), aux=jnp.zeros((b, 1)),
                              score_q=jnp.zeros((b, cfg.num_attention_heads, cfg.head_dim)),
                              score_lse=jnp.zeros((b, cfg.num_attention_heads)))
     toks = jnp.asarray(pad_prompts(prompts, CAPACITY + 1))
@@ -150,7 +150,7 @@ def test_working_set_is_a_gather_of_the_target_rows_and_drafts_match_a_masked_fo
     for cycle in range(6):
         anchors = np.asarray(working_set.effective_anchors(state.retrieval.anchors, state.length, c,
                                                            spec.max_chunks - 1))
-        key = engine._split(plan, state.rng, 3)[1]
+        key = engine.state._split(plan, state.rng, 3)[1]
         built_before = np.asarray(state.draft_cache.built)
         drafts, q, ws, _, n, window, _ = propose(params, state, active, key)
         tk = [np.asarray(x) for x in state.target_cache.k]

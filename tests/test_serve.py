@@ -372,8 +372,7 @@ def test_slot_prefill_writes_back_only_its_chunk(pair):
     import jax
     import jax.numpy as jnp
 
-    from diffspec_jax.engine import slots
-    from diffspec_jax.engine.prefill import _prefill_chunk
+    from diffspec_jax.engine import prefill, slots
     from diffspec_jax.serving.scheduler import EngineConfig, SlotEngine
 
     target, draft, _ = pair
@@ -390,12 +389,12 @@ def test_slot_prefill_writes_back_only_its_chunk(pair):
             jnp.array([start + 10], jnp.int32))
 
     def whole(state, acc, slot, *rest):
-        rows, acc = _prefill_chunk(plan, target.params, draft.params, slots._rows(state, slot), acc, *rest)
+        rows, acc = prefill._prefill_chunk(plan, target.params, draft.params, slots._rows(state, slot), acc, *rest)
         return slots._put(state.replace(rng=None), rows.replace(rng=None), slot).replace(rng=state.rng), acc
 
     got, got_acc, done = jax.jit(functools.partial(slots.slot_prefill, plan))(
-        target.params, draft.params, state, slots.new_acc(plan, target.dtype), *args)
-    want, want_acc = jax.jit(whole)(state, slots.new_acc(plan, target.dtype), *args)
+        target.params, draft.params, state, prefill.PrefillAcc.zeros(plan, 1, target.dtype), *args)
+    want, want_acc = jax.jit(whole)(state, prefill.PrefillAcc.zeros(plan, 1, target.dtype), *args)
     assert int(done) == start + 10
     for g, w in zip(jax.tree_util.tree_leaves((got, got_acc)), jax.tree_util.tree_leaves((want, want_acc))):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from diffspec_jax import sharding
 from diffspec_jax.cache import ATTENTION_TILE, round_capacity
 from diffspec_jax.engine.loop import _block, block_out_specs, loop_specs
-from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
+from diffspec_jax.engine.prefill import PrefillAcc, _prefill_chunk, _start_decode
 from diffspec_jax.engine.retrieve import _retrieve
 from diffspec_jax.engine.state import Plan, _init_state, state_specs
 from diffspec_jax.engine.verify import _spec_cycle, _target_cycle, _tree_cycle
@@ -69,7 +69,7 @@ def compiler_options(plan: Plan) -> dict | None:
     return {"xla_allow_excess_precision": False} if plan.spec.deterministic else None
 
 
-class _CompileClock:
+class CompileClock:
     """Seconds spent compiling (tracing, lowering, XLA compilation or a persistent-cache load) in one call, and
     how many programs were compiled (``count``)."""
 
@@ -113,7 +113,7 @@ class _Program:
         self.max_entries = max_entries
         self._exe: collections.OrderedDict = collections.OrderedDict()
 
-    def __call__(self, clock: _CompileClock, *args):
+    def __call__(self, clock: CompileClock, *args):
         key = _signature(args)
         exe = self._exe.get(key)
         if exe is None:
@@ -155,7 +155,7 @@ def program_specs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace
     return SimpleNamespace(
         tparams=_spec_tree(tspec_key), dparams=_spec_tree(dspec_key), state=state_specs(plan),
         loop=loop_specs(plan), block_out=block_out_specs(plan),
-        acc=_PrefillAcc(logits=rows2, aux=rows2, score_q=P(dp, tp, None), score_lse=P(dp, tp)),
+        acc=PrefillAcc(logits=rows2, aux=rows2, score_q=P(dp, tp, None), score_lse=P(dp, tp)),
         row=row, rows2=rows2, ranks=P(tp, dp), same=P())
 
 

@@ -1,11 +1,14 @@
-"""``generate()``: the host side of decoding.
+"""``generate()``: the host side of decoding, as the steps of one token's path.
 
-It validates the request, sizes the cache (:func:`~diffspec_jax.engine.compile.capacity_bucket`), runs the prefill,
-reads the first token, then keeps one device-loop block in flight ahead of the one it reads
-(:func:`~diffspec_jax.engine.loop._block`): per block read it streams the new tokens (and, given a tokenizer, their
-text, matching stop strings: :class:`diffspec_jax.stopping.SequenceText`), replays the per-cycle record into the
-host controllers (:mod:`diffspec_jax.engine.controllers`) and, between blocks, drops finished sequences from the
-batch (compaction).
+:func:`generate` checks the request and makes its :class:`Plan` (:func:`_prepare`: the cache capacity,
+:func:`~diffspec_jax.engine.compile.capacity_bucket`, the compiled programs, the memory check), runs the prefill and
+reads the first token (:func:`_prefill`, with DiffSpec's retrieval after prefill), then decodes in device-loop
+blocks, one block in flight ahead of the one it reads (:func:`_decode`,
+:func:`~diffspec_jax.engine.loop._block`): per block read it streams the new tokens (and, given a tokenizer, their
+text, matching stop strings: :class:`diffspec_jax.stopping.SequenceText`), reads the per-cycle record into the
+host's books (:func:`~diffspec_jax.engine.rules.replay`) and, between blocks, drops finished sequences from the
+batch (compaction); :func:`_finish` gathers the result and its statistics. The rules these steps share with the
+server's slot engine are in :mod:`diffspec_jax.engine.rules`.
 """
 
 from __future__ import annotations
@@ -27,29 +30,23 @@ from diffspec_jax import sharding
 from diffspec_jax.cache import round_capacity
 from diffspec_jax.config import SamplingConfig, SpecConfig
 from diffspec_jax.engine import memory
-from diffspec_jax.engine.compile import _CompileClock, capacity_bucket, enable_compilation_cache, param_spec_key
-from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
-from diffspec_jax.engine.loop import Cadence, CycleRecord, DepthControl, LoopState, loop_specs
-from diffspec_jax.engine.prefill import _PrefillAcc
+from diffspec_jax.engine.compile import CompileClock, capacity_bucket, enable_compilation_cache, param_spec_key
+from diffspec_jax.engine.controllers import ShapeControl
 from diffspec_jax.engine.drafter import draft_spec, split_draft
-from diffspec_jax.engine.session import Session, default_session
+from diffspec_jax.engine.loop import LoopState, loop_specs, start_cadence, start_depth
+from diffspec_jax.engine.prefill import PrefillAcc
 from diffspec_jax.engine.prefix_cache import PrefixCache
-from diffspec_jax.engine.state import Plan, shared_pools, with_pools
+from diffspec_jax.engine.rules import (
+    block_cycles as cycles_per_block, draft_dtype, first_chunk_program, make_plan, replay, retrieves_after_prefill,
+    stop_ids, validate)
+from diffspec_jax.engine.session import Session, default_session
+from diffspec_jax.engine.state import DecodeState, Plan, shared_pools, with_pools
 from diffspec_jax.errors import ConfigError, InputError
+from diffspec_jax.retrieval_control import RetrievalBook
 from diffspec_jax.stopping import FINISH_LENGTH, FINISH_STOP, SequenceText
+from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, pad_prompts
 from diffspec_jax.validation import check_generate_args, check_page_size, check_text_args
-from diffspec_jax.models import ensure_tree_supported
-from diffspec_jax.target import DEFAULT_PREFILL_CHUNK, TargetModel, check_token_ids, pad_prompts
 from pallas_kernels.common import use_kernels
-
-#: cycles per device-loop block (``generate(block_cycles=None)``): the host reads results, streams tokens and
-#: updates the progress bar once per block, so streaming latency is at most this many cycles (about 0.1 s at 64K
-#: context on an H200), while the host's per-block work (a few ms) hides behind the block in flight
-DEFAULT_BLOCK_CYCLES = 16
-
-#: stop ids are passed as a static-size int32 array padded with -1 to a multiple of this (no recompiles for a
-#: different stop set of similar size)
-STOP_IDS_MULTIPLE = 8
 
 
 @dataclass
@@ -146,47 +143,16 @@ class GenerateResult:
     texts: list[str] | None = None
 
 
-def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: SpecConfig,
-              sampling: SamplingConfig, block_cycles) -> list[np.ndarray]:
-    """Check the arguments :func:`generate` shares with the server; returns the prompts as int32 arrays."""
-    if not isinstance(spec, SpecConfig):
-        raise ConfigError(f"spec must be a SpecConfig, got {type(spec).__name__}")
-    if not isinstance(sampling, SamplingConfig):
-        raise ConfigError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if block_cycles is not None and (isinstance(block_cycles, bool) or not isinstance(block_cycles, (int, np.integer))
-                                     or block_cycles < 1):
-        raise ConfigError(f"block_cycles must be an integer >= 1 (or None for the default), got {block_cycles!r}")
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise InputError("prompts must be a non-empty list of token-id lists")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, (str, bytes)):
-            raise InputError(f"prompt {i} is text; pass token ids (tokenize first)")
-        if len(p) == 0:
-            raise InputError(f"prompt {i} is empty; every prompt needs at least one token")
-        out.append(check_token_ids(p, target.config.vocab_size, f"prompt {i}"))  # int32 [T]: no per-token Python
-    if spec.deterministic and target.config.is_hybrid:
-        raise ConfigError("deterministic covers attention-only targets: a hybrid target's DeltaNet layers scan a "
-                          "verify block's rows in another order than single decode steps; leave deterministic off")
-    if draft is not None:
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ConfigError(f"vocabulary mismatch: draft vocab_size {draft.config.vocab_size} vs target "
-                              f"{target.config.vocab_size}")
-        draft.config.resolve_aux_layers(target.config)
-        if spec.context.policy == "diffspec":
-            spec.context.layer_for(target.config)
-        if spec.tree:
-            ensure_tree_supported(target.config)
-    return out
-
-
 def _put(plan: Plan, tree, specs):
     """Host arrays onto the device, laid out by ``specs`` when the plan has a mesh."""
     if plan.mesh is None:
         return jax.tree_util.tree_map(jnp.asarray, tree)
     return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(plan.mesh, s)), tree, specs)
+
+
+def _rows_spec(plan: Plan, *rest) -> P:
+    """The PartitionSpec of a batch-first host array (batch over ``dp``)."""
+    return P(sharding.DP if plan.dp > 1 else None, *rest)
 
 
 def _paging(page_size: int | None, capacity: int, batch: int, mesh: Mesh | None) -> tuple[int, int] | None:
@@ -199,13 +165,6 @@ def _paging(page_size: int | None, capacity: int, batch: int, mesh: Mesh | None)
         raise ConfigError("a paged cache (page_size) holds one pool for the whole batch: use a mesh without "
                           "data parallelism (dp=1)")
     return batch * (capacity // page_size), page_size
-
-
-def _stop_ids(stops: set[int]) -> np.ndarray:
-    """Stop ids as int32 ``[S]`` padded with -1 to a multiple of :data:`STOP_IDS_MULTIPLE` (at least one)."""
-    ids = sorted(int(s) for s in stops)
-    size = max(1, -(-len(ids) // STOP_IDS_MULTIPLE)) * STOP_IDS_MULTIPLE
-    return np.array(ids + [-1] * (size - len(ids)), np.int32)
 
 
 class _Output:
@@ -281,7 +240,7 @@ def _stop_rows(plan: Plan, loop: LoopState, rows: np.ndarray, out: _Output) -> L
         return loop
     mask = np.isin(rows, out.stopped)
     out.stopped.clear()
-    return loop.replace(done=jnp.logical_or(loop.done, _put(plan, mask, P(sharding.DP if plan.dp > 1 else None))))
+    return loop.replace(done=jnp.logical_or(loop.done, _put(plan, mask, _rows_spec(plan))))
 
 
 def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -324,10 +283,10 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         mesh: a ``("dp", "tp")`` mesh from :func:`diffspec_jax.make_mesh` for tensor (and data) parallelism;
             the draft is sharded like the target or replicated per ``spec.draft_tensor_parallel_size``.
         block_cycles: decode cycles per device-loop dispatch; the host reads results, streams and updates its
-            controllers once per block. Default :data:`DEFAULT_BLOCK_CYCLES` (16): streaming latency of at most
-            16 cycles. Tree mode with ``hazard`` branching or the adaptive node budget defaults to 1 (those host
-            controllers then change the tree shape every cycle, as they learn); an explicit value there keeps
-            the shape fixed within a block.
+            controllers once per block. Default :data:`~diffspec_jax.engine.rules.DEFAULT_BLOCK_CYCLES` (16):
+            streaming latency of at most 16 cycles. Tree mode with ``hazard`` branching or the adaptive node
+            budget defaults to 1 (those host controllers then change the tree shape every cycle, as they learn);
+            an explicit value there keeps the shape fixed within a block.
         stop: stop strings (one string or a list), matched on the decoded text on the host after each block
             read: the sequence ends at the first occurrence, its text is cut exactly before it and its tokens
             after the fewest that hold that text are dropped (:class:`GenerateResult`). Needs ``tokenizer``.
@@ -354,42 +313,125 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             anything is allocated or compiled.
     """
     t_call = time.perf_counter()
+    req = _check(target, draft, prompts, max_new_tokens=max_new_tokens, spec=spec, sampling=sampling, seed=seed,
+                 stop_token_ids=stop_token_ids, max_cache_len=max_cache_len, prefill_chunk=prefill_chunk,
+                 on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh, block_cycles=block_cycles,
+                 stop=stop, tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, on_text=on_text,
+                 session=session)
+    call = _prepare(target, req, _plan(target, req, page_size, prefix_cache), prefix_cache, t_call)
+    state = _prefill(call)
+    state, _, tally = _decode(call, state)
+    return _finish(call, state, tally)
+
+
+@dataclass
+class _Request:
+    """A :func:`generate` call's arguments, checked and normalised (:func:`_check`)."""
+
+    prompts: list[np.ndarray]
+    draft: Any  # a loaded draft or None
+    self_draft: bool
+    drafter: Any
+    spec: SpecConfig
+    sampling: SamplingConfig
+    max_new_tokens: int
+    seed: int
+    stops: set[int]
+    max_cache_len: int | None
+    prefill_chunk: int | None
+    block_cycles: int | None
+    proposer: Callable | None
+    mesh: Mesh | None
+    session: Session
+    stop: tuple[str, ...]
+    tokenizer: Any
+    skip_special_tokens: bool
+    on_tokens: Callable | None
+    on_text: Callable | None
+    progress: bool
+
+
+@dataclass
+class _Call:
+    """What the steps of one :func:`generate` call share: the plan and its programs, the batch (padded to a
+    multiple of the data-parallel axis; rows >= ``real`` are padding), the host's books and the statistics."""
+
+    req: _Request
+    target: TargetModel
+    plan: Plan
+    progs: Any
+    tparams: Any
+    dparams: Any
+    prompts: list[np.ndarray]
+    lengths: np.ndarray
+    real: int
+    mem: memory.MemoryPlan
+    device: Any
+    cycles: int
+    stats: GenerateStats
+    out: _Output
+    shape: ShapeControl
+    book: RetrievalBook | None
+    clock: CompileClock
+    t_call: float
+    prefix_cache: PrefixCache | None
+    bar: Any = None
+    prefix_run: Any = None
+    call_ms: float | None = None  # a standalone retrieval's wall time (booked for every retrieval in the loop)
+    anchors: np.ndarray | None = None  # int32 [B, A] the retrieval after prefill's (rank 0's)
+    retrieved: np.ndarray | None = None  # bool [B] the rows it ran for
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts)
+
+
+def _check(target: TargetModel, draft, prompts, *, max_new_tokens, spec, sampling, seed, stop_token_ids,
+           max_cache_len, prefill_chunk, on_tokens, progress, proposer, mesh, block_cycles, stop, tokenizer,
+           skip_special_tokens, on_text, session) -> _Request:
+    """Step 1: check every argument (named errors) and resolve the draft choice."""
     spec = SpecConfig() if spec is None else spec
     session = default_session() if session is None else session
     if not isinstance(session, Session):
         raise ConfigError(f"session must be a diffspec_jax.engine.Session, got {type(session).__name__}")
     choice = split_draft(draft)
-    draft, self_draft = choice.model, choice.self_draft
-    if (self_draft or choice.drafter is not None) and proposer is not None:
+    if (choice.self_draft or choice.drafter is not None) and proposer is not None:
         raise ConfigError("a custom proposer drafts alone; it cannot be combined with draft='self' or a named "
                           "drafter")
-    prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling, block_cycles)
+    prompts = validate(target, choice.model, prompts, max_new_tokens, spec, sampling, block_cycles)
     seed, stop_token_ids, max_cache_len, prefill_chunk = check_generate_args(
         target.config.vocab_size, seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
         prefill_chunk=prefill_chunk, on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh)
     stop = check_text_args(stop, tokenizer, on_text, skip_special_tokens)
-    tc = target.config
-    spec, drafter = draft_spec(choice, spec, tc)
-    speculative = draft is not None or proposer is not None or self_draft or drafter is not None
+    spec, drafter = draft_spec(choice, spec, target.config)
     if proposer is not None and spec.tree:
         raise ConfigError("a custom proposer drafts chains; it cannot be combined with diffspec_verification_mode="
                           "'tree'")
-    k = spec.num_speculative_tokens if speculative else 0
-    if spec.tree and speculative:
-        k_block = spec.verification.max_nodes  # the tree block occupies max_tree_nodes + 1 cache rows
-    else:
-        k_block = k
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    need = int(lengths.max()) + max_new_tokens + k_block + 1
-    if need - k_block - 1 > tc.max_position_embeddings:
-        raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+    stops = set(target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    return _Request(prompts=prompts, draft=choice.model, self_draft=choice.self_draft, drafter=drafter, spec=spec,
+                    sampling=sampling, max_new_tokens=int(max_new_tokens), seed=seed, stops=stops,
+                    max_cache_len=max_cache_len, prefill_chunk=prefill_chunk, block_cycles=block_cycles,
+                    proposer=proposer, mesh=mesh, session=session, stop=stop, tokenizer=tokenizer,
+                    skip_special_tokens=skip_special_tokens, on_tokens=on_tokens, on_text=on_text,
+                    progress=progress)
+
+
+def _plan(target: TargetModel, req: _Request, page_size: int | None, prefix_cache: PrefixCache | None) -> Plan:
+    """Step 2a: the run's :class:`Plan`: its cache capacity (the longest prompt + ``max_new_tokens`` + the verify
+    block, bucketed, or ``max_cache_len``) and paging."""
+    tc = target.config
+    plan = make_plan(target, req.draft, req.spec, req.sampling, 0, mesh=req.mesh, proposer=req.proposer,
+                     self_draft=req.self_draft, drafter=req.drafter)
+    k_block, longest = plan.k_block, max(len(p) for p in req.prompts)
+    need = longest + req.max_new_tokens + k_block + 1
+    if longest + req.max_new_tokens > tc.max_position_embeddings:
+        raise InputError(f"the longest prompt ({longest} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds "
                          f"the target's context window (max_position_embeddings {tc.max_position_embeddings})")
-    if max_cache_len is not None and max_cache_len < need:
-        raise InputError(f"the longest prompt ({lengths.max()} tokens) + max_new_tokens ({max_new_tokens}) + "
-                         f"{'max_tree_nodes' if k_block != k else 'K'} + 1 = {need} positions exceed the cache "
-                         f"capacity max_cache_len={max_cache_len}")
-    draft_tp = sharding.draft_tp_for(mesh, spec.draft_tensor_parallel_size, draft is not None)
-    capacity = (round_capacity(max_cache_len) if max_cache_len is not None
+    if req.max_cache_len is not None and req.max_cache_len < need:
+        raise InputError(f"the longest prompt ({longest} tokens) + max_new_tokens ({req.max_new_tokens}) + "
+                         f"{'max_tree_nodes' if k_block != plan.k else 'K'} + 1 = {need} positions exceed the cache "
+                         f"capacity max_cache_len={req.max_cache_len}")
+    capacity = (round_capacity(req.max_cache_len) if req.max_cache_len is not None
                 else capacity_bucket(need, tc.max_position_embeddings + k_block + 1))
     if prefix_cache is not None:
         if not isinstance(prefix_cache, PrefixCache):
@@ -397,239 +439,244 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         if page_size not in (None, prefix_cache.page_size):
             raise ConfigError(f"page_size={page_size} differs from the prefix cache's ({prefix_cache.page_size})")
         page_size = prefix_cache.page_size
-    paging = _paging(page_size, capacity, len(prompts), mesh)
+    paging = _paging(page_size, capacity, len(req.prompts), req.mesh)
     if prefix_cache is not None:
         paging = (prefix_cache.num_pages, page_size)
-    # the stop ids are an input of the device loop, not part of its programs: targets that differ only in their
-    # EOS ids share the compiled programs
-    plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
-                draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
-                aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
-                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft, paging=paging, drafter=drafter)
+    return dataclasses.replace(plan, capacity=capacity, paging=paging)
+
+
+def _prepare(target: TargetModel, req: _Request, plan: Plan, prefix_cache: PrefixCache | None,
+             t_call: float) -> _Call:
+    """Step 2b: the params and compiled programs of the plan, the batch padded for data parallelism, the memory
+    check (before anything is allocated), the statistics and the host's books."""
     enable_compilation_cache()
-    stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    tparams, dparams = session.prepare_params(target, draft, mesh, draft_tp)
-    fns = session.programs(plan, param_spec_key(tparams) if mesh is not None else None,
-                           param_spec_key(dparams) if mesh is not None else None)
-    progs = fns.programs
-    real = len(prompts)
+    tparams, dparams = req.session.prepare_params(target, req.draft, plan.mesh, plan.draft_tp)
+    keyed = plan.mesh is not None
+    progs = req.session.programs(plan, param_spec_key(tparams) if keyed else None,
+                                 param_spec_key(dparams) if keyed else None).programs
+    prompts, real = list(req.prompts), len(req.prompts)
     if plan.dp > 1 and real % plan.dp:  # pad the batch to a multiple of the data-parallel axis with dummy rows
-        prompts = prompts + [prompts[0]] * (plan.dp - real % plan.dp)
-        lengths = np.array([len(p) for p in prompts], np.int32)
+        prompts += [prompts[0]] * (plan.dp - real % plan.dp)
+    lengths = np.array([len(p) for p in prompts], np.int32)
     batch = len(prompts)
     # the memory it needs (state, prefill temporaries) against what the device has free, before allocating any
-    ddtype = dparams["fc"].dtype if dparams else target.dtype
     device = plan.mesh.devices.flat[0] if plan.mesh is not None else None
     with use_kernels(plan.kernels):  # the default chunk width depends on the kernels (flash prefill on GPUs)
-        mem = memory.plan_memory(plan, lengths, prefill_chunk, tparams, dparams, target.dtype, ddtype,
-                                 memory.device_memory(device))
-    memory.check_fits(mem, max_new_tokens=max_new_tokens)
-    cycles = block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
-    stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
-                          draft_context_policy=spec.context.policy if draft is not None or self_draft
-                          else None,
-                          verification_mode="tree" if plan.tree_mode else "linear" if speculative else None,
-                          block_cycles=int(cycles), cache_capacity=capacity, memory=mem.to_dict())
-    ctl = _RetrievalControl(spec, batch) if plan.diffspec else None
-    shape = _ShapeControl(plan, lengths)
-    clock = _CompileClock()
-    bar = None
-    if progress:
-        bar = tqdm(total=real * max_new_tokens, unit="tok", leave=False)
+        mem = memory.plan_memory(plan, lengths, req.prefill_chunk, tparams, dparams, target.dtype,
+                                 draft_dtype(target, dparams), memory.device_memory(device))
+    memory.check_fits(mem, max_new_tokens=req.max_new_tokens)
+    cycles = cycles_per_block(plan, req.block_cycles)
+    drafting = req.draft is not None or req.self_draft
+    stats = GenerateStats(num_sequences=real, num_speculative_tokens=plan.k,
+                          draft_context_policy=plan.spec.context.policy if drafting else None,
+                          verification_mode="tree" if plan.tree_mode else "linear" if plan.speculative else None,
+                          block_cycles=cycles, cache_capacity=plan.capacity, memory=mem.to_dict())
+    bar = tqdm(total=real * req.max_new_tokens, unit="tok", leave=False) if req.progress else None
     texts = None
-    if tokenizer is not None:
-        texts = [SequenceText(tokenizer, stop, skip_special_tokens=skip_special_tokens) for _ in range(real)]
-    out = _Output(batch, real, max_new_tokens, stops, on_tokens, bar, texts, on_text)
+    if req.tokenizer is not None:
+        texts = [SequenceText(req.tokenizer, req.stop, skip_special_tokens=req.skip_special_tokens)
+                 for _ in range(real)]
+    out = _Output(batch, real, req.max_new_tokens, req.stops, req.on_tokens, bar, texts, req.on_text)
+    return _Call(req=req, target=target, plan=plan, progs=progs, tparams=tparams, dparams=dparams, prompts=prompts,
+                 lengths=lengths, real=real, mem=mem, device=device, cycles=cycles, stats=stats, out=out,
+                 shape=ShapeControl(plan, batch), book=RetrievalBook(plan.spec, batch) if plan.diffspec else None,
+                 clock=CompileClock(), t_call=t_call, prefix_cache=prefix_cache, bar=bar)
 
-    # ---- prefill, the first token, the retrieval after prefill
+
+def _prefill(call: _Call) -> DecodeState:
+    """Step 3: the cache set-up, the chunked prefill, the first token of every prompt (streamed), and DiffSpec's
+    retrieval after prefill."""
+    plan, progs, clock, stats, batch = call.plan, call.progs, call.clock, call.stats, call.batch
     t0 = time.perf_counter()
     starts = np.zeros(batch, np.int32)  # prompt tokens already in the cache (a prefix cache's reused pages)
-    run = None
-    if prefix_cache is not None:
-        run = prefix_cache.admit(plan, prompts, max_new_tokens + k_block + 1, target.dtype)
-        starts, table = run.starts, run.table
-    elif paging is not None:  # sequence b holds pages b * P' .. (b + 1) * P' - 1 of the pool (P' pages per sequence)
-        table = np.arange(paging[0], dtype=np.int32).reshape(batch, -1)
-    kept = prefix_cache.pools if prefix_cache is not None else ()
-    state = progs.init(batch, target.dtype, ddtype, not kept)(clock, jax.random.PRNGKey(seed))
-    if paging is not None:
+    table = None
+    if call.prefix_cache is not None:
+        call.prefix_run = call.prefix_cache.admit(plan, call.prompts, call.req.max_new_tokens + plan.k_block + 1,
+                                                  call.target.dtype)
+        starts, table = call.prefix_run.starts, call.prefix_run.table
+    elif plan.paging is not None:  # sequence b holds pages b * P' .. (b + 1) * P' - 1 of the pool (P' per sequence)
+        table = np.arange(plan.paging[0], dtype=np.int32).reshape(batch, -1)
+    kept = call.prefix_cache.pools if call.prefix_cache is not None else ()
+    state = progs.init(batch, call.target.dtype, draft_dtype(call.target, call.dparams), not kept)(
+        clock, jax.random.PRNGKey(call.req.seed))
+    if plan.paging is not None:
         state = with_pools(state, kept)
         state = state.replace(target_cache=state.target_cache.replace(pages=_put(plan, table, P(None, None))))
-    stats.cached_tokens = [int(x) for x in starts[:real]]
-    width = mem.prefill_width
+    stats.cached_tokens = [int(x) for x in starts[:call.real]]
+    width, lengths = call.mem.prefill_width, call.lengths
     n_chunks = -(-int((lengths - starts).max()) // width)
-    tokens = pad_prompts([p[s:] for p, s in zip(prompts, starts)], width * n_chunks + 1)
-    acc = _PrefillAcc(logits=jnp.zeros((batch, tc.vocab_size), jnp.float32),
-                      aux=jnp.zeros((batch, max(1, len(plan.aux_layers) * tc.hidden_size)), target.dtype),
-                      score_q=jnp.zeros((batch, tc.num_attention_heads, tc.head_dim), jnp.float32),
-                      score_lse=jnp.zeros((batch, tc.num_attention_heads), jnp.float32))
+    tokens = pad_prompts([p[s:] for p, s in zip(call.prompts, starts)], width * n_chunks + 1)
+    acc = PrefillAcc.zeros(plan, batch, call.target.dtype)
     jl = jnp.asarray(lengths)
-    for c in range(n_chunks):
-        s = c * width
-        # the fast attention skips a first chunk's empty prefix; the reference has nothing to skip (one program)
-        first = c == 0 and plan.kernels == "pallas" and not starts.any()
-        chunk = progs.prefill_first if first else progs.prefill_chunk
-        state, acc = chunk(clock, tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
+    for s in range(0, n_chunks * width, width):
+        chunk = progs.prefill_first if first_chunk_program(plan, int(starts.max()) + s) else progs.prefill_chunk
+        state, acc = chunk(clock, call.tparams, call.dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
                            jnp.asarray(tokens[:, s + 1:s + width + 1]), jnp.asarray(starts + s), jl)
     context = None  # a drafter's view of the prompts (a prefix cache's reused pages hold no tokens)
-    if drafter is not None:
-        context = _put(plan, pad_prompts(prompts, capacity), P(sharding.DP if plan.dp > 1 else None, None))
+    if plan.drafter is not None:
+        context = _put(plan, pad_prompts(call.prompts, plan.capacity), _rows_spec(plan, None))
     state, first = progs.start_decode(clock, state, acc, jl, context)
     first = np.asarray(first)
     stats.host_syncs += 1
-    stats.ttft_s = time.perf_counter() - t_call - clock.seconds
-    for b in range(real):
-        out.first(b, int(first[b]))
-    call_ms = None
-    if ctl is not None:
-        state, call_ms = _retrieve_after_prefill(plan, progs, clock, ctl, tparams, dparams, state, lengths, real)
+    stats.ttft_s = time.perf_counter() - call.t_call - clock.seconds
+    for b in range(call.real):
+        call.out.first(b, int(first[b]))
+    if call.book is not None:
+        state = _retrieve_after_prefill(call, state)
         stats.host_syncs += 1
     jax.block_until_ready(state.length)
     stats.prefill_s = time.perf_counter() - t0 - clock.seconds
+    return state
 
-    # ---- the device loop, one block in flight ahead of the one the host reads
-    compile_before = clock.seconds
-    t1 = time.perf_counter()
-    rows = np.arange(batch)  # device row -> sequence
-    loop = _put(plan, _loop_init(plan, ctl, shape, out, rows, real, max_new_tokens), loop_specs(plan))
+
+def _retrieve_after_prefill(call: _Call, state: DecodeState) -> DecodeState:
+    """DiffSpec's retrieval right after prefill, from the last prompt position's query, for the rows
+    :func:`~diffspec_jax.engine.rules.retrieves_after_prefill` names, booked with its wall time (compile excluded),
+    which is also ``call.call_ms``, the time booked for each retrieval inside the device loop. When no row
+    retrieves now, a probe that selects for no row (nothing changes) is timed instead."""
+    mask = retrieves_after_prefill(call.plan, call.lengths) & (np.arange(call.batch) < call.real)
+    if not call.plan.spec.context.retrieve_after_prefill:
+        for i in range(call.real):
+            call.book.skip_prefill(i)
+    before, t = call.clock.seconds, time.perf_counter()
+    state, anchors = call.progs.retrieve(call.clock, call.tparams, call.dparams, state, jnp.asarray(mask))
+    anchors = np.asarray(anchors)  # [ranks, B, A]: every tensor-parallel rank's selection
+    call.call_ms = ms = (time.perf_counter() - t - (call.clock.seconds - before)) * 1e3
+    for r in np.nonzero(mask)[0]:
+        call.book.retrieved(int(r), anchors[:, r], int(call.lengths[r]) - 1, ms / int(mask.sum()), True)
+    call.anchors, call.retrieved = anchors[0], mask
+    return state
+
+
+def _loop_init(call: _Call) -> LoopState:
+    """The :class:`LoopState` after prefill (rows >= ``real`` are padding), on the device: each sequence's fresh
+    retrieval cadence (after the retrieval after prefill) and adaptive depth, which the host's report starts from."""
+    plan, out, rows = call.plan, call.out, np.arange(call.batch)
+    cad = depth = None
+    if plan.diffspec:
+        cad = start_cadence(plan, call.retrieved, call.anchors, call.lengths - 1)
+    if plan.adaptive_depth:
+        depth = start_depth(plan, call.lengths)
+        for seq, (d, f) in enumerate(zip(np.asarray(depth.depth), np.asarray(depth.floor))):
+            call.shape.reset(seq, (int(d), int(f)))
+    loop = LoopState(done=out.done.copy(), count=np.array([len(out.tokens[s]) for s in rows], np.int32),
+                     limit=np.where(rows < call.real, call.req.max_new_tokens, 0).astype(np.int32), cadence=cad,
+                     depth=depth)
+    # as host arrays first: rows the rules computed once (a depth and its floor) become distinct device buffers,
+    # as the block program, which donates the loop state, needs
+    return _put(plan, jax.device_get(loop), loop_specs(plan))
+
+
+@dataclass
+class _Tally:
+    """Per-sequence counts over the blocks read: verifications, accepted and drafted tokens, the committed length,
+    and the accepted-depth histogram."""
+
+    cycles: np.ndarray
+    accepted: np.ndarray
+    drafted: np.ndarray
+    length: np.ndarray
+    hist: np.ndarray
+
+    @classmethod
+    def create(cls, lengths: np.ndarray, k: int) -> _Tally:
+        z = lambda: np.zeros(len(lengths), np.int64)  # noqa: E731
+        return cls(cycles=z(), accepted=z(), drafted=z(), length=lengths.astype(np.int64).copy(),
+                   hist=np.zeros(k + 1, np.int64))
+
+
+def _decode(call: _Call, state: DecodeState) -> tuple[DecodeState, LoopState, _Tally]:
+    """Step 4: the device loop, one block in flight ahead of the one the host reads (two; one when a block's tree
+    shape needs the last block's record), until every sequence is done."""
+    plan, stats, out, clock = call.plan, call.stats, call.out, call.clock
+    compile_before, t1 = clock.seconds, time.perf_counter()
+    rows = np.arange(call.batch)  # device row -> sequence
+    loop = _loop_init(call)
     out.stopped.clear()  # the first tokens' stop strings are in the initial done flags
-    stop_arr = _put(plan, _stop_ids(stops), P())
-    program = progs.block(int(cycles))
-    ahead = 1 if plan.host_shaped and cycles == 1 else 2  # blocks in flight: 1 when a block's inputs need the last
+    stops = _put(plan, stop_ids(call.req.stops), P())
+    program = call.progs.block(call.cycles)
+    ahead = 1 if plan.host_shaped and call.cycles == 1 else 2
     pending: collections.deque = collections.deque()
-    seq_cycles, seq_accepted = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
-    drafted, hist = np.zeros(batch, np.int64), np.zeros(plan.k + 1, np.int64)
-    host_len = lengths.astype(np.int64).copy()
-    tree_specs = (P(sharding.DP if plan.dp > 1 else None, None), P(sharding.DP if plan.dp > 1 else None))
+    tally = _Tally.create(call.lengths, plan.k)
     while not out.done.all():
         while len(pending) < ahead:
-            caps, budget = shape.block_inputs(rows)
+            caps, budget = call.shape.block_inputs(rows)
             if caps is not None:
-                caps, budget = _put(plan, (caps, budget), tree_specs)
-            state, loop, res = program(clock, tparams, dparams, state, loop, stop_arr, caps, budget)
+                caps, budget = _put(plan, (caps, budget), (_rows_spec(plan, None), _rows_spec(plan)))
+            state, loop, res = program(clock, call.tparams, call.dparams, state, loop, stops, caps, budget)
             stats.blocks += 1
             pending.append((res, rows))
         res, used = pending.popleft()
-        res = jax.device_get(res)
-        stats.host_syncs += 1
-        stats.cycles += int(res.steps)
-        for r, seq in enumerate(used):
-            seq_cycles[seq] += int(res.cycles[r])
-            seq_accepted[seq] += int(res.accepted[r])
-            drafted[seq] += int(res.drafted[r])
-            out.add(seq, res.tokens[r, : int(res.new[r])].tolist())
-            if res.done[r]:
-                out.end(seq)
+        _read_block(call, jax.device_get(res), used, tally)
         loop = _stop_rows(plan, loop, rows, out)
-        hist += res.hist.sum(axis=0)
-        if res.record is not None:
-            _replay(res.record, int(res.steps), used, host_len, shape, ctl, call_ms)
-        live = ~out.done[rows]
-        if live.any():  # compact: finished sequences stop costing work (the next dispatch runs the smaller batch)
-            size = 1 << (int(live.sum()) - 1).bit_length()
-            size = -(-size // plan.dp) * plan.dp
-            # the smaller state is a copy beside the current one: skipped when the device has no room for it
-            if size <= len(rows) // 2 and memory.room_for(mem.state_bytes * size // batch, device):
-                fill = np.nonzero(~live)[0][: size - int(live.sum())]
-                order = np.concatenate([np.nonzero(live)[0], fill]).astype(np.int64)
-                state, loop = state.take(order), loop.take(order)
-                rows = rows[order]
+        state, loop, rows = _compact(call, state, loop, rows)
     # blocks still in flight started after every sequence had finished (they ran no cycle), or before a stop
     # string ended the last ones (they ran the cycles of one block)
     jax.block_until_ready((state.length, loop.done))
     stats.decode_s = time.perf_counter() - t1 - (clock.seconds - compile_before)
-    stats.compile_s = clock.seconds
-    if bar is not None:
-        bar.close()
+    return state, loop, tally
+
+
+def _read_block(call: _Call, res, used: np.ndarray, tally: _Tally) -> None:
+    """One block's results on the host: stream each row's new tokens, end the rows the device ended, count, and
+    read the per-cycle record into the host's books."""
+    call.stats.host_syncs += 1
+    call.stats.cycles += int(res.steps)
+    for r, seq in enumerate(used):
+        tally.cycles[seq] += int(res.cycles[r])
+        tally.accepted[seq] += int(res.accepted[r])
+        tally.drafted[seq] += int(res.drafted[r])
+        call.out.add(seq, res.tokens[r, : int(res.new[r])].tolist())
+        if res.done[r]:
+            call.out.end(seq)
+    tally.hist += res.hist.sum(axis=0)
+    if res.record is not None:
+        replay(res.record, int(res.steps), used, tally.length, call.shape, call.book, call.call_ms)
+
+
+def _compact(call: _Call, state: DecodeState, loop: LoopState, rows: np.ndarray):
+    """Drop finished sequences from the batch: the next dispatch runs a batch of the next power of two (a multiple
+    of ``dp``) at most half the size, when the device has room for the smaller state beside the current one.
+    Returns ``(state, loop, rows)``."""
+    live = ~call.out.done[rows]
+    if not live.any():
+        return state, loop, rows
+    size = 1 << (int(live.sum()) - 1).bit_length()
+    size = -(-size // call.plan.dp) * call.plan.dp
+    if size <= len(rows) // 2 and memory.room_for(call.mem.state_bytes * size // call.batch, call.device):
+        fill = np.nonzero(~live)[0][: size - int(live.sum())]
+        order = np.concatenate([np.nonzero(live)[0], fill]).astype(np.int64)
+        state, loop, rows = state.take(order), loop.take(order), rows[order]
+    return state, loop, rows
+
+
+def _finish(call: _Call, state: DecodeState, tally: _Tally) -> GenerateResult:
+    """Step 5: the result and its statistics; a prefix cache keeps the call's pages."""
+    stats, plan, real, out = call.stats, call.plan, call.real, call.out
+    stats.compile_s = call.clock.seconds
+    if call.bar is not None:
+        call.bar.close()
     tokens, reasons, texts = out.result(real)
     stats.new_tokens = sum(len(t) for t in tokens)
-    stats.sequence_cycles, stats.accepted_tokens = int(seq_cycles.sum()), int(seq_accepted.sum())
-    stats.drafted_tokens = int(drafted.sum())
-    stats.accepted_depth_histogram = [int(x) for x in hist]
-    stats.acceptance_per_position = [int(hist[i + 1:].sum()) for i in range(k)]
-    stats.mean_tree_size = stats.drafted_tokens / stats.sequence_cycles if plan.tree_mode and stats.sequence_cycles \
-        else None
-    stats.drafting = shape.report(real)
+    stats.sequence_cycles, stats.accepted_tokens = int(tally.cycles.sum()), int(tally.accepted.sum())
+    stats.drafted_tokens = int(tally.drafted.sum())
+    stats.accepted_depth_histogram = [int(x) for x in tally.hist]
+    stats.acceptance_per_position = [int(tally.hist[i + 1:].sum()) for i in range(plan.k)]
     if stats.sequence_cycles:
+        stats.mean_tree_size = stats.drafted_tokens / stats.sequence_cycles if plan.tree_mode else None
         stats.mean_acceptance_length = (stats.accepted_tokens + stats.sequence_cycles) / stats.sequence_cycles
+    stats.drafting = call.shape.report(real)
     stats.acceptance_length_per_sequence = [float((a + c) / c) if c else None
-                                            for a, c in zip(seq_accepted[:real], seq_cycles[:real])]
+                                            for a, c in zip(tally.accepted[:real], tally.cycles[:real])]
     # tokens the device decoded (stop strings may drop some of them from the result) after each first token
     decoded = sum(len(t) for t in out.tokens[:real]) - real
     stats.decode_tokens_per_s = decoded / stats.decode_s if stats.decode_s > 0 and decoded > 0 else None
-    if ctl is not None:
-        stats.retrieval = ctl.status(real)
-    after = memory.device_memory(device)
+    if call.book is not None:
+        stats.retrieval = call.book.status(real)
+    after = memory.device_memory(call.device)
     stats.peak_bytes_in_use = after.get("peak_bytes_in_use") if after is not None else None
-    if run is not None:  # positions with final K/V: all but the newest token's (and the draft store's pending rows)
-        lag = plan.k + 1 if plan.draft is not None else 0
-        seqs = [list(prompts[b]) + list(out.tokens[b]) for b in range(real)]
-        prefix_cache.release(run, seqs, [len(q) - 1 - lag for q in seqs], shared_pools(state))
+    if call.prefix_run is not None:  # positions with final K/V: all but the newest token's (and the draft store's
+        lag = plan.k + 1 if plan.draft is not None else 0  # pending rows)
+        seqs = [list(call.prompts[b]) + list(out.tokens[b]) for b in range(real)]
+        call.prefix_cache.release(call.prefix_run, seqs, [len(q) - 1 - lag for q in seqs], shared_pools(state))
     return GenerateResult(tokens=tokens, stats=stats, finish_reasons=reasons, texts=texts)
-
-
-def _loop_init(plan: Plan, ctl, shape: _ShapeControl, out: _Output, rows: np.ndarray, real: int,
-               max_new_tokens: int) -> LoopState:
-    """The :class:`LoopState` of rows ``rows`` after prefill, as host arrays (rows >= ``real`` are padding)."""
-    cad = depth = None
-    if ctl is not None:
-        cad = Cadence(**ctl.device_cadence(rows, plan.num_chunks))
-    d = shape.device_depth(rows)
-    if d is not None:
-        depth = DepthControl(**d)
-    return LoopState(done=out.done[rows].copy(), count=np.array([len(out.tokens[s]) for s in rows], np.int32),
-                     limit=np.where(rows < real, max_new_tokens, 0).astype(np.int32), cadence=cad, depth=depth)
-
-
-def _replay(rec: CycleRecord, steps: int, rows: np.ndarray, host_len: np.ndarray, shape: _ShapeControl, ctl,
-            call_ms: float | None) -> None:
-    """Feed a block's per-cycle record to the host controllers, cycle by cycle as the device decided (the retrieval
-    counters check every due decision against their own)."""
-    for c in range(steps):
-        due_rows = []
-        for r in np.nonzero(rec.live[c])[0]:
-            seq, m = int(rows[r]), int(rec.m[c, r])
-            host_len[seq] += m + 1
-            shape.observe(seq, m, int(host_len[seq]), None if rec.depth is None else int(rec.depth[c, r]))
-            if ctl is not None:
-                ctl.observe(seq, emitted=m + 1, working_len=int(rec.n[c, r]), window=int(rec.window[c, r]))
-                due = ctl.due(seq, int(host_len[seq]) - 1)
-                if due != bool(rec.due[c, r]):
-                    raise RuntimeError(f"sequence {seq}: the device loop's retrieval cadence (due={not due}) and its "
-                                       f"host controller (due={due}) diverged (a bug)")
-                if due:
-                    due_rows.append(r)
-        for r in due_rows:
-            seq = int(rows[r])
-            ctl.record(seq, rec.anchors[:, c, r], int(host_len[seq]) - 1, (call_ms or 0.0) / len(due_rows), False)
-
-
-def _timed_retrieve(progs, clock, ctl, tparams, dparams, state, mask, lengths, *, after_prefill):
-    """One standalone retrieval for the rows in ``mask``; returns ``(state, wall ms of the call)`` (compile
-    excluded) and books it, split over the rows."""
-    before, t = clock.seconds, time.perf_counter()
-    state, anchors = progs.retrieve(clock, tparams, dparams, state, jnp.asarray(mask))
-    anchors = np.asarray(anchors)  # [ranks, B, A]: every tensor-parallel rank's selection
-    ms = (time.perf_counter() - t - (clock.seconds - before)) * 1e3
-    for r in np.nonzero(mask)[0]:
-        ctl.record(int(r), anchors[:, r], int(lengths[r]) - 1, ms / int(mask.sum()), after_prefill)
-    return state, ms
-
-
-def _retrieve_after_prefill(plan, progs, clock, ctl, tparams, dparams, state, lengths, real):
-    """DiffSpec's retrieval right after prefill, from the last prompt position's query (when switched on). Returns
-    ``(state, ms)``: the wall time of a standalone retrieval call, timed on this one, or on a probe that selects
-    for no row (nothing changes) when no row retrieves now."""
-    b = len(lengths)
-    mask = np.zeros(b, bool)
-    if plan.spec.context.retrieve_after_prefill:
-        mask = np.array([i < real and not ctl.fits(int(lengths[i]) - 1) for i in range(b)])
-    else:
-        for i in range(real):
-            ctl.skip_prefill(i)
-    if mask.any():
-        return _timed_retrieve(progs, clock, ctl, tparams, dparams, state, mask, lengths, after_prefill=True)
-    before, t = clock.seconds, time.perf_counter()
-    state, anchors = progs.retrieve(clock, tparams, dparams, state, jnp.asarray(mask))
-    np.asarray(anchors)
-    return state, (time.perf_counter() - t - (clock.seconds - before)) * 1e3

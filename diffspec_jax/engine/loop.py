@@ -3,12 +3,12 @@
 Per cycle and sequence it also: appends the emitted tokens to the block's output buffer and ends the sequence at a
 stop id or at its token limit (:class:`LoopState` ``done`` / ``count`` / ``limit``); counts cycles, accepted and
 drafted tokens and the accepted-depth histogram (:class:`BlockOut`); keeps the adaptive chain depth
-(:class:`DepthControl`, an exact integer mirror of :class:`diffspec_jax.adaptive.AdaptiveDepth`); and decides the
-DiffSpec retrieval cadence (:class:`Cadence`, an exact integer mirror of
-:class:`diffspec_jax.retrieval_control.RetrievalControl`), running the retrieval under ``lax.cond`` on the cycles
-where a sequence is due. It records what each cycle decided (:class:`CycleRecord`) for the host controllers to
-replay, and ends when every sequence is done or the block's cycle budget is spent. Data-parallel replicas agree
-on every branch (the loop's and the retrieval's predicates are reduced over ``dp``).
+(:class:`DepthControl`, its one definition: docs/method.md section 8); and decides the DiffSpec retrieval cadence
+(:class:`Cadence`, its one definition: section 4), running the retrieval under ``lax.cond`` on the cycles where a
+sequence is due. It records what each cycle decided (:class:`CycleRecord`) for the host to read (streaming, the
+``retrieval_status`` counters, the tree controllers, reports), and ends when every sequence is done or the block's
+cycle budget is spent. Data-parallel replicas agree on every branch (the loop's and the retrieval's predicates are
+reduced over ``dp``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,11 @@ from diffspec_jax.retrieval_control import ADAPTIVE_ACCEPT_FACTOR, ADAPTIVE_JACC
 
 @struct.dataclass
 class Cadence:
-    """The DiffSpec retrieval cadence per sequence on the device: an exact integer mirror of
-    :class:`diffspec_jax.retrieval_control.RetrievalCounters`' private fields (all ``[B]`` unless noted).
+    """The DiffSpec retrieval cadence per sequence (all ``[B]`` unless noted): due every ``interval`` cycles once
+    the context outgrows the history budget; with ``SpecConfig.context.adaptive`` the interval doubles (up to
+    :data:`~diffspec_jax.retrieval_control.ADAPTIVE_MAX_INTERVAL`) after a retrieval whose chunk set overlaps the
+    last one's by at least ``ADAPTIVE_JACCARD`` while acceptance held at ``ADAPTIVE_ACCEPT_FACTOR`` of the period
+    before, and falls back to ``retrieval_interval`` otherwise (:func:`cadence_due`, :func:`cadence_record`).
 
     Attributes:
         since: int32 cycles since the last retrieval; interval: int32 the current interval.
@@ -52,9 +55,10 @@ class Cadence:
 
 @struct.dataclass
 class DepthControl:
-    """Adaptive chain depth per sequence on the device, an exact integer mirror of
-    :class:`diffspec_jax.adaptive.AdaptiveDepth`: int32 ``[B]`` ``depth`` (the next cycle's), ``floor``, and the
-    runs of ``good`` and ``bad`` cycles."""
+    """Adaptive chain depth per sequence: int32 ``[B]`` ``depth`` (the next cycle's), ``floor`` (the lowest it may
+    go at the current length: ``long_context_depth`` from ``long_context_threshold`` committed tokens, else K), and
+    the runs of ``good`` and ``bad`` cycles (:func:`depth_observe`; a sequence starts at its floor,
+    :func:`start_depth`)."""
 
     depth: jax.Array
     floor: jax.Array
@@ -87,15 +91,18 @@ class LoopState:
 
 @struct.dataclass
 class CycleRecord:
-    """What each cycle of a block decided, for the host controllers to replay (``[C, B]`` unless noted; rows of
-    cycles past ``BlockOut.steps`` are zero).
+    """What each cycle of a block decided, for the host to read (``[C, B]`` unless noted; rows of cycles past
+    ``BlockOut.steps`` are zero).
 
     Attributes:
         live: bool, the row was verified this cycle; m: int32 accepted drafts.
         n, window: int32 the draft's history length and rolling-window tokens (``diffspec``).
         due: bool, the row retrieved after this cycle (``diffspec``).
+        since, interval: int32 the row's :class:`Cadence` ``since`` and ``interval`` after the cycle (``diffspec``;
+            a row not due was early when ``since < interval``, else its context fit the history budget).
         anchors: int32 ``[ranks, C, B, A]`` every tensor-parallel rank's anchors after the cycle (``diffspec``).
-        depth: int32 the chain depth the row drafted (adaptive depth).
+        depth, floor: int32 the row's :class:`DepthControl` ``depth`` and ``floor`` after the cycle (adaptive
+            depth).
     """
 
     live: jax.Array
@@ -103,8 +110,11 @@ class CycleRecord:
     n: jax.Array | None = None
     window: jax.Array | None = None
     due: jax.Array | None = None
+    since: jax.Array | None = None
+    interval: jax.Array | None = None
     anchors: jax.Array | None = None
     depth: jax.Array | None = None
+    floor: jax.Array | None = None
 
 
 @struct.dataclass
@@ -154,10 +164,10 @@ def _block_out_init(plan: Plan, b: int, cycles: int) -> BlockOut:
     if plan.records:
         rec = CycleRecord(live=jnp.zeros((cycles, b), bool), m=zc)
         if plan.diffspec:
-            rec = rec.replace(n=zc, window=zc, due=jnp.zeros((cycles, b), bool),
+            rec = rec.replace(n=zc, window=zc, due=jnp.zeros((cycles, b), bool), since=zc, interval=zc,
                               anchors=jnp.zeros((cycles, b, plan.spec.max_chunks - 1), jnp.int32))
         if plan.adaptive_depth:
-            rec = rec.replace(depth=zc)
+            rec = rec.replace(depth=zc, floor=zc)
     return BlockOut(tokens=jnp.zeros((b, cycles * k1), jnp.int32), new=zb, done=jnp.zeros((b,), bool), cycles=zb,
                     accepted=zb, drafted=zb, hist=jnp.zeros((b, k1), jnp.int32), steps=jnp.zeros((), jnp.int32),
                     record=rec)
@@ -213,11 +223,27 @@ def _count(plan: Plan, out: BlockOut, active, m, drafted) -> BlockOut:
     return out
 
 
-def _depth_observe(plan: Plan, dc: DepthControl, active, m, length) -> DepthControl:
-    """:meth:`diffspec_jax.adaptive.AdaptiveDepth.observe` for the active rows, in integers: the accepted share
-    ``m / depth`` is compared with the decimal thresholds as fractions (exactly what the float test decides)."""
-    spec, k = plan.spec, plan.k
-    floor = jnp.where(length >= spec.verification.long_context_threshold, spec.verification.long_context_depth, k)
+def _depth_floor(plan: Plan, length) -> jax.Array:
+    """The lowest adaptive depth at committed ``length`` (int ``[B]``)."""
+    v = plan.spec.verification
+    return jnp.where(length >= v.long_context_threshold, v.long_context_depth, plan.k).astype(jnp.int32)
+
+
+def start_depth(plan: Plan, length) -> DepthControl:
+    """The :class:`DepthControl` rows of sequences starting at committed ``length`` (int ``[B]``): at their floor."""
+    floor = _depth_floor(plan, jnp.asarray(length))
+    zero = jnp.zeros_like(floor)
+    return DepthControl(depth=floor, floor=floor, good=zero, bad=zero)
+
+
+def depth_observe(plan: Plan, dc: DepthControl, active, m, length) -> DepthControl:
+    """Book a cycle of the active rows (``m`` accepted drafts of ``dc.depth``, committed ``length`` after it): it
+    was good at an accepted share ``m / depth >= DEPTH_GOOD_FRAC``, bad at ``<= DEPTH_BAD_FRAC`` (compared as
+    fractions of integers: exact), else neither; ``DEPTH_GOOD_COUNT`` good cycles in a row deepen by one (up to K),
+    ``DEPTH_BAD_COUNT`` bad ones shorten by one (down to the floor at ``length``, :mod:`diffspec_jax.adaptive`'s
+    constants)."""
+    k = plan.k
+    floor = _depth_floor(plan, length)
     gn, gd = ratio(adaptive.DEPTH_GOOD_FRAC)
     bn, bd = ratio(adaptive.DEPTH_BAD_FRAC)
     good_c = m * gd >= gn * dc.depth
@@ -235,9 +261,26 @@ def _depth_observe(plan: Plan, dc: DepthControl, active, m, length) -> DepthCont
                         bad=keep(bad, dc.bad))
 
 
-def _cadence_record(plan: Plan, cad: Cadence, due, anchors, root) -> Cadence:
-    """:meth:`RetrievalControl.record` (a decode retrieval) for the rows in ``due``: Jaccard overlap of the chunk
-    sets and the acceptance-period test as integer comparisons (exactly the host's decisions)."""
+def fresh_cadence(plan: Plan, batch: int) -> Cadence:
+    """The :class:`Cadence` of ``batch`` sequences that have not retrieved yet."""
+    zero = jnp.zeros((batch,), jnp.int32)
+    return Cadence(since=zero, interval=zero + plan.spec.context.retrieval_interval, accept_sum=zero, accept_n=zero,
+                   prev_sum=zero, prev_n=zero, selected=jnp.zeros((batch, plan.num_chunks), bool))
+
+
+def start_cadence(plan: Plan, retrieved, anchors, root) -> Cadence:
+    """The :class:`Cadence` of sequences starting to decode at ``root`` (int ``[B]``, the last prompt position),
+    those in ``retrieved`` (bool ``[B]``) having retrieved ``anchors`` (int ``[B, A]``) right after prefill."""
+    root = jnp.asarray(root)
+    return cadence_record(plan, fresh_cadence(plan, root.shape[0]), jnp.asarray(retrieved), jnp.asarray(anchors),
+                          root)
+
+
+def cadence_record(plan: Plan, cad: Cadence, due, anchors, root) -> Cadence:
+    """Book a retrieval for the rows in ``due`` (int ``anchors [B, A]`` selected at ``root [B]``): the chunk set is
+    the anchors and the newest chunk; its Jaccard overlap with the last set and the acceptance-period test are
+    integer comparisons with the decimal constants' exact fractions. The interval adapts only on a retrieval with
+    a period before it (never on the one after prefill)."""
     spec = plan.spec
     b, nc = cad.selected.shape
     bidx = jnp.arange(b)[:, None]
@@ -262,9 +305,10 @@ def _cadence_record(plan: Plan, cad: Cadence, due, anchors, root) -> Cadence:
                    prev_sum=prev_sum, prev_n=prev_n, selected=jnp.where(due[:, None], sel, prev))
 
 
-def _cadence_due(plan: Plan, cad: Cadence, active, m, root) -> tuple[Cadence, jax.Array]:
-    """:meth:`RetrievalControl.observe` (``m + 1`` emitted) and :meth:`RetrievalControl.due` for the active rows
-    after a cycle that left root ``root``; returns the cadence and ``due`` bool ``[B]``."""
+def cadence_due(plan: Plan, cad: Cadence, active, m, root) -> tuple[Cadence, jax.Array]:
+    """Book a cycle of the active rows (``m + 1`` tokens emitted, leaving root ``root``); returns the cadence and
+    ``due`` bool ``[B]``: the rows due (``interval`` cycles since the last retrieval) whose context does not fit the
+    history budget."""
     a = active.astype(jnp.int32)
     since = cad.since + a
     cad = cad.replace(accept_sum=cad.accept_sum + jnp.where(active, m + 1, 0), accept_n=cad.accept_n + a,
@@ -273,16 +317,16 @@ def _cadence_due(plan: Plan, cad: Cadence, active, m, root) -> tuple[Cadence, ja
 
 
 def _cadence_step(plan: Plan, tparams, dparams, state: DecodeState, cad: Cadence, active, m):
-    """After a cycle: book it (:func:`_cadence_due`) and retrieve for the due rows (under ``lax.cond``: cycles with
+    """After a cycle: book it (:func:`cadence_due`) and retrieve for the due rows (under ``lax.cond``: cycles with
     no due row skip the scoring). Returns ``(state, cadence, due [B])``."""
     root = state.length - 1
-    cad, due = _cadence_due(plan, cad, active, m, root)
+    cad, due = cadence_due(plan, cad, active, m, root)
     old = state.retrieval.anchors
     anchors = jax.lax.cond(
         _any_global(plan, due),
         lambda: jnp.where(due[:, None], _select_anchors(plan, tparams, dparams, state), old), lambda: old)
     state = state.replace(retrieval=state.retrieval.replace(anchors=anchors))
-    return state, _cadence_record(plan, cad, due, anchors, root), due
+    return state, cadence_record(plan, cad, due, anchors, root), due
 
 
 def _block(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, stops, caps, budget, *,
@@ -312,12 +356,14 @@ def _block(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, st
         if rec is not None:
             rec = rec.replace(live=rec.live.at[i].set(active), m=rec.m.at[i].set(jnp.where(active, m, 0)))
         if loop.depth is not None:
-            rec = rec.replace(depth=rec.depth.at[i].set(depths))
-            loop = loop.replace(depth=_depth_observe(plan, loop.depth, active, m, state.length))
+            dc = depth_observe(plan, loop.depth, active, m, state.length)
+            loop = loop.replace(depth=dc)
+            rec = rec.replace(depth=rec.depth.at[i].set(dc.depth), floor=rec.floor.at[i].set(dc.floor))
         if loop.cadence is not None:
             state, cad, due = _cadence_step(plan, tparams, dparams, state, loop.cadence, active, m)
             loop = loop.replace(cadence=cad)
             rec = rec.replace(n=rec.n.at[i].set(n), window=rec.window.at[i].set(window), due=rec.due.at[i].set(due),
+                              since=rec.since.at[i].set(cad.since), interval=rec.interval.at[i].set(cad.interval),
                               anchors=rec.anchors.at[i].set(state.retrieval.anchors))
         return i + 1, _any_global(plan, ~loop.done), state, loop, out.replace(record=rec)
 
@@ -347,8 +393,9 @@ def block_out_specs(plan: Plan) -> BlockOut:
     if plan.records:
         rec = CycleRecord(live=per_cycle, m=per_cycle)
         if plan.diffspec:
-            rec = rec.replace(n=per_cycle, window=per_cycle, due=per_cycle, anchors=P(sharding.TP, None, dp, None))
+            rec = rec.replace(n=per_cycle, window=per_cycle, due=per_cycle, since=per_cycle, interval=per_cycle,
+                              anchors=P(sharding.TP, None, dp, None))
         if plan.adaptive_depth:
-            rec = rec.replace(depth=per_cycle)
+            rec = rec.replace(depth=per_cycle, floor=per_cycle)
     return BlockOut(tokens=rows2, new=row, done=row, cycles=row, accepted=row, drafted=row, hist=rows2, steps=P(),
                     record=rec)

@@ -14,7 +14,7 @@ from diffspec_jax.sampling import choose, choose_rows, split_rows
 
 
 @struct.dataclass
-class _PrefillAcc:
+class PrefillAcc:
     """Per-sequence values of each prompt's last position, filled by the chunk that contains it."""
 
     logits: jax.Array      # [B, V]
@@ -22,8 +22,17 @@ class _PrefillAcc:
     score_q: jax.Array     # [B, Hq, D]
     score_lse: jax.Array   # [B, Hq]
 
+    @classmethod
+    def zeros(cls, plan: Plan, batch: int, target_dtype) -> PrefillAcc:
+        """An empty accumulator of ``batch`` prompts (``generate()``'s batch, or a server slot's one)."""
+        tc = plan.target
+        return cls(logits=jnp.zeros((batch, tc.vocab_size), jnp.float32),
+                   aux=jnp.zeros((batch, max(1, len(plan.aux_layers) * tc.hidden_size)), target_dtype),
+                   score_q=jnp.zeros((batch, tc.num_attention_heads, tc.head_dim), jnp.float32),
+                   score_lse=jnp.zeros((batch, tc.num_attention_heads), jnp.float32))
 
-def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _PrefillAcc, tokens, next_tokens,
+
+def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: PrefillAcc, tokens, next_tokens,
                    start, lengths, *, first: bool = False):
     """Target prefill of one chunk; the draft's K/V of the chunk's entries are projected and stored. ``first``
     (static): the prompts' first chunk (every ``start`` is 0), whose attention has no prefix to read."""
@@ -59,7 +68,7 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
     return state, acc
 
 
-def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths, context=None):
+def _start_decode(plan: Plan, state: DecodeState, acc: PrefillAcc, lengths, context=None):
     """Sample the first token x_P and make entry P-1 (x_P, F_{P-1}) the pending root; a plan's
     :class:`~diffspec_jax.engine.drafter.Drafter` prepares its state from ``context`` (int32 ``[B, capacity]``, the
     prompts zero padded; ``None`` without a drafter)."""

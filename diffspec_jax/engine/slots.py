@@ -44,8 +44,8 @@ import jax.numpy as jnp
 from diffspec_jax import working_cache, working_set
 from diffspec_jax.cache import HybridCache
 from diffspec_jax.engine.compile import _Program, init_program, program_specs, sharded_program
-from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
-from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
+from diffspec_jax.engine.loop import LoopState, fresh_cadence, start_cadence, start_depth
+from diffspec_jax.engine.prefill import PrefillAcc, _prefill_chunk, _start_decode
 from diffspec_jax.engine.retrieve import _retrieve
 from diffspec_jax.engine.state import DecodeState, Plan, _init_state, shared_pools, strip_pools, with_pools
 from diffspec_jax.errors import ConfigError
@@ -96,12 +96,8 @@ def init_slots(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple[Decod
     if state.sampling is None:  # (a plan without row_sampling, outside the slot programs)
         state = state.replace(sampling=SamplingRows.create(batch))
     zero = jnp.zeros((batch,), jnp.int32)
-    cad = depth = None
-    if plan.diffspec:
-        cad = Cadence(since=zero, interval=zero + plan.spec.context.retrieval_interval, accept_sum=zero,
-                      accept_n=zero, prev_sum=zero, prev_n=zero, selected=jnp.zeros((batch, plan.num_chunks), bool))
-    if plan.adaptive_depth:
-        depth = DepthControl(depth=zero + plan.k, floor=zero + plan.k, good=zero, bad=zero)
+    cad = fresh_cadence(plan, batch) if plan.diffspec else None
+    depth = start_depth(plan, zero) if plan.adaptive_depth else None
     loop = LoopState(done=jnp.ones((batch,), bool), count=zero, limit=zero, cadence=cad, depth=depth)
     return state, loop
 
@@ -111,8 +107,7 @@ def parked_length(plan: Plan) -> int:
     (``k_block + 1`` rows: K + 1, or a tree's ``max_tree_nodes + 1``) ends at the capacity, so every write and read
     of a masked cycle stays inside the cache, past any prompt (a request needs ``prompt + max_tokens <=
     max_model_len <= capacity - k_block - 1``)."""
-    k_block = plan.spec.verification.max_nodes if plan.tree_mode else plan.k
-    return plan.capacity - k_block - 1
+    return plan.capacity - plan.k_block - 1
 
 
 def slot_reset(plan: Plan, state: DecodeState, slot, temperature, top_k, top_p, key) -> DecodeState:
@@ -145,17 +140,8 @@ def slot_reset(plan: Plan, state: DecodeState, slot, temperature, top_k, top_p, 
         top_p=_set(rows.top_p, slot, top_p), key=_set(rows.key, slot, key)))
 
 
-def new_acc(plan: Plan, target_dtype) -> _PrefillAcc:
-    """A batch-1 prefill accumulator (the last prompt position's logits, aux features, scoring query)."""
-    tc = plan.target
-    return _PrefillAcc(logits=jnp.zeros((1, tc.vocab_size), jnp.float32),
-                       aux=jnp.zeros((1, max(1, len(plan.aux_layers) * tc.hidden_size)), target_dtype),
-                       score_q=jnp.zeros((1, tc.num_attention_heads, tc.head_dim), jnp.float32),
-                       score_lse=jnp.zeros((1, tc.num_attention_heads), jnp.float32))
-
-
-def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: _PrefillAcc, slot, tokens, next_tokens,
-                 start, length, *, first: bool = False) -> tuple[DecodeState, _PrefillAcc, jax.Array]:
+def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: PrefillAcc, slot, tokens, next_tokens,
+                 start, length, *, first: bool = False) -> tuple[DecodeState, PrefillAcc, jax.Array]:
     """One prefill chunk of the prompt in slot ``slot``: ``tokens`` / ``next_tokens`` int32 ``[1, W]`` (the prompt
     from ``start`` and shifted by one, zero-padded), ``start`` and ``length`` (the prompt's) int32 ``[1]``;
     ``first`` (static): the prompt's first chunk (``start`` 0; the fast attention skips the empty prefix).
@@ -176,15 +162,14 @@ def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefill
     return state, acc, jnp.minimum(start[0] + tokens.shape[1], length[0])
 
 
-def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, acc: _PrefillAcc, slot, length,
-               limit, stops, retrieve, depth, floor, context=None):
+def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, acc: PrefillAcc, slot, length,
+               limit, stops, retrieve, context=None):
     """Start decoding slot ``slot`` after its prefill.
 
     Args:
         length: int32 ``[1]`` the prompt length; limit: int32 ``[]`` the request's token limit; stops: int32
             ``[S]`` its stop ids (``-1`` padded); retrieve: bool ``[]`` run DiffSpec's retrieval after prefill
-            now; depth, floor: int32 ``[]`` the adaptive chain depth to start at (ignored without it); context:
-            int32 ``[1, capacity]`` the slot's whole context, zero padded, for the plan's
+            now; context: int32 ``[1, capacity]`` the slot's whole context, zero padded, for the plan's
             :class:`~diffspec_jax.engine.drafter.Drafter` (``None`` without one).
     Returns:
         ``(state, loop, first token int32 [], anchors int32 [1, 1, A])``: the retrieval's anchors as this
@@ -205,16 +190,10 @@ def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState
     loop = loop.replace(done=_set(loop.done, slot, done), count=_set(loop.count, slot, 1),
                         limit=_set(loop.limit, slot, limit))
     if loop.cadence is not None:
-        zero = jnp.zeros((1,), jnp.int32)
-        fresh = Cadence(since=zero, interval=zero + plan.spec.context.retrieval_interval, accept_sum=zero,
-                        accept_n=zero, prev_sum=zero, prev_n=zero,
-                        selected=jnp.zeros((1, plan.num_chunks), bool))
-        cad = _cadence_record(plan, fresh, retrieve[None], anchors[None], length - 1)
-        loop = loop.replace(cadence=_put(loop.cadence, cad, slot))
+        loop = loop.replace(cadence=_put(loop.cadence, start_cadence(plan, retrieve[None], anchors[None], length - 1),
+                                         slot))
     if loop.depth is not None:
-        row = DepthControl(depth=depth[None], floor=floor[None], good=jnp.zeros((1,), jnp.int32),
-                           bad=jnp.zeros((1,), jnp.int32))
-        loop = loop.replace(depth=_put(loop.depth, row, slot))
+        loop = loop.replace(depth=_put(loop.depth, start_depth(plan, length), slot))
     return state, loop, first[0], ranks
 
 
@@ -246,10 +225,11 @@ def slot_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace
     """The ahead-of-time compiled :class:`_Program` of each slot function for ``plan`` (state, loop and the
     prefill accumulator donated): ``reset``, ``prefill`` (``prefill_first``: a prompt's first chunk), ``start``,
     ``release``, ``flush``, and ``init(batch, target_dtype, draft_dtype)`` (:func:`init_slots`) and
-    ``acc(target_dtype)`` (:func:`new_acc`). With a mesh they run per shard like ``generate()``'s programs, laid
-    out by the same :func:`~diffspec_jax.engine.compile.program_specs` (the params as ``tspec_key`` /
-    ``dspec_key`` describe); a slot's own inputs (its index, prompt chunk, sampling parameters) go to every shard
-    whole. A :class:`~diffspec_jax.engine.session.Session` keeps them per plan."""
+    ``acc(target_dtype)`` (a batch-1 :meth:`PrefillAcc.zeros <diffspec_jax.engine.prefill.PrefillAcc.zeros>`).
+    With a mesh they run per shard like ``generate()``'s programs, laid out by the same
+    :func:`~diffspec_jax.engine.compile.program_specs` (the params as ``tspec_key`` / ``dspec_key`` describe); a
+    slot's own inputs (its index, prompt chunk, sampling parameters) go to every shard whole. A
+    :class:`~diffspec_jax.engine.session.Session` keeps them per plan."""
     if not plan.row_sampling:
         raise ValueError("slot programs need a plan with row_sampling (each slot samples by its own parameters)")
     if plan.dp > 1:
@@ -269,13 +249,13 @@ def slot_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace
 
     @functools.lru_cache(maxsize=None)
     def new(target_dtype):
-        return init_program(plan, lambda: new_acc(plan, target_dtype), acc)
+        return init_program(plan, lambda: PrefillAcc.zeros(plan, 1, target_dtype), acc)
 
     return SimpleNamespace(
         reset=make(slot_reset, 0, (st,) + (one,) * 5, st),
         prefill=make(slot_prefill, (2, 3), chunk_ins, (st, acc, one)),
         prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3), chunk_ins, (st, acc, one)),
-        start=make(slot_start, (2, 3), (sp.tparams, sp.dparams, st, ls, acc) + (one,) * 8,
+        start=make(slot_start, (2, 3), (sp.tparams, sp.dparams, st, ls, acc) + (one,) * 6,
                    (st, ls, one, sp.ranks)),
         release=make(slot_release, 0, (ls, one), ls),
         flush=make(slot_flush, 1, (sp.dparams, st, one), st),

@@ -157,6 +157,12 @@ class Plan:
         return self.spec.num_speculative_tokens if self.speculative else 0
 
     @property
+    def k_block(self) -> int:
+        """Draft rows of a verify block, which occupies ``k_block + 1`` cache rows past the committed length: K, or a
+        tree's ``max_tree_nodes``."""
+        return self.spec.verification.max_nodes if self.tree_mode else self.k
+
+    @property
     def diffspec(self) -> bool:
         return (self.draft is not None or self.self_draft) and self.spec.context.policy == "diffspec"
 

@@ -128,82 +128,49 @@ def check_chat_template(tokenizer, template: str | None, source: str) -> str | N
     return text
 
 
-def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str | None = None,
-               chat_template: str | None = None, sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
-    """The application serving ``engine`` (started; stopped when the application shuts down).
+class _Api:
+    """What the routes of :func:`create_app` do, over one engine and tokenizer (the routes are thin wrappers, so
+    FastAPI reads their signatures as written)."""
 
-    Args:
-        tokenizer: the target's transformers tokenizer (prompts, chat template, detokenization).
-        model_name: the name ``/v1/models`` lists and requests must use (or leave out).
-        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
-        chat_template: a Jinja chat template used instead of the tokenizer's.
-        sampling_defaults: ``temperature`` / ``top_k`` / ``top_p`` for requests that leave them out (e.g.
-            :func:`diffspec_jax.stopping.generation_defaults`); otherwise the OpenAI defaults (temperature 1,
-            top_p 1, no top-k).
-    """
-    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(sampling_defaults or {})}
-    stats = {"http_errors": {}}
+    def __init__(self, engine: SlotEngine, tokenizer, model_name: str, api_key: str | None,
+                 chat_template: str | None, sampling_defaults: dict[str, Any] | None):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.api_key, self.chat_template = api_key, chat_template
+        self.defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(sampling_defaults or {})}
+        self.http_errors: dict[int, int] = {}
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        yield
-        await run_in_threadpool(engine.stop)
-
-    app = FastAPI(title="diffspec-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    def answer_error(err: P.APIError) -> JSONResponse:
-        stats["http_errors"][err.status] = stats["http_errors"].get(err.status, 0) + 1
+    def answer_error(self, err: P.APIError) -> JSONResponse:
+        self.http_errors[err.status] = self.http_errors.get(err.status, 0) + 1
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
-    @app.exception_handler(P.APIError)
-    async def _api_error(_request, exc: P.APIError):
-        return answer_error(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request, exc: RequestValidationError):
-        return answer_error(_validation_error(list(exc.errors())))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request, exc: StarletteHTTPException):
-        return answer_error(P.APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_request, exc: Exception):
-        return answer_error(P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error"))
-
-    async def authorized(request: Request) -> None:
+    async def authorized(self, request: Request) -> None:
         """The ``/v1/*`` routes' dependency: the bearer token, when the server has an API key."""
-        if api_key is not None and request.headers.get("authorization", "") != f"Bearer {api_key}":
+        if self.api_key is not None and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
             raise P.APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
                              code="invalid_api_key")
 
-    v1 = [Depends(authorized)]
-
-    @app.get("/health")
-    async def health():
-        m = engine.metrics()
+    def health(self):
+        m = self.engine.metrics()
         if not m["healthy"]:
-            return JSONResponse({"status": "unavailable", "error": str(engine.error) if engine.error else None},
-                                status_code=503)
+            error = self.engine.error
+            return JSONResponse({"status": "unavailable", "error": str(error) if error else None}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=v1)
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": P.now(),
-                                            "owned_by": "diffspec-jax", "max_model_len": engine.max_model_len}]}
+    def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": P.now(),
+                                            "owned_by": "diffspec-jax", "max_model_len": self.engine.max_model_len}]}
 
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(prometheus_text(engine.metrics(), stats["http_errors"]),
+    def metrics(self):
+        return PlainTextResponse(prometheus_text(self.engine.metrics(), self.http_errors),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise P.APIError(404, f"the model {name!r} does not exist here (this server serves {model_name!r})",
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise P.APIError(404, f"the model {name!r} does not exist here (this server serves {self.model_name!r})",
                              param="model", code="model_not_found")
 
-    def sampling(body: P._SamplingRequest, max_tokens: int) -> SamplingParams:
-        pick = lambda key: getattr(body, key) if getattr(body, key) is not None else defaults[key]  # noqa: E731
+    def sampling(self, body: P._SamplingRequest, max_tokens: int) -> SamplingParams:
+        pick = lambda key: getattr(body, key) if getattr(body, key) is not None else self.defaults[key]  # noqa: E731
         top_k = pick("top_k")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=pick("temperature"), top_p=pick("top_p"),
@@ -212,40 +179,40 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
         except InputError as exc:
             raise P.input_error(exc) from None
 
-    def encode(prompt: str | list[int], special: bool = True, param: str = "prompt") -> list[int]:
+    def encode(self, prompt: str | list[int], special: bool = True, param: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
-            return tokenize_bounded(lambda t: list(tokenizer(t, add_special_tokens=special)["input_ids"]), prompt,
-                                    engine.max_model_len, param)
+            return tokenize_bounded(lambda t: list(self.tokenizer(t, add_special_tokens=special)["input_ids"]),
+                                    prompt, self.engine.max_model_len, param)
         return list(prompt)
 
-    def render_chat(body: P.ChatCompletionRequest) -> list[int]:
-        template = chat_template or getattr(tokenizer, "chat_template", None)
+    def render_chat(self, body: P.ChatCompletionRequest) -> list[int]:
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
-            raise P.APIError(400, f"the model {model_name!r} has no chat template (start the server with "
+            raise P.APIError(400, f"the model {self.model_name!r} has no chat template (start the server with "
                                   f"--chat-template FILE), so /v1/chat/completions cannot render messages; use "
                                   f"/v1/completions", param="messages")
         chat = body.chat()
         try:
-            text = apply_chat_template(tokenizer, chat, template)
+            text = apply_chat_template(self.tokenizer, chat, template)
         except Exception as exc:  # noqa: BLE001  (jinja errors, raise_exception in templates)
             raise P.APIError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
         # as apply_chat_template(tokenize=True) does (the template writes the special tokens), a bounded prefix
-        return [int(t) for t in encode(text, special=False, param="messages")]
+        return [int(t) for t in self.encode(text, special=False, param="messages")]
 
-    def limit(prompt_len: int, requested: int | None, default: int | None) -> int:
+    def limit(self, prompt_len: int, requested: int | None, default: int | None) -> int:
         if requested is not None:
             return requested
         if default is not None:
             return default
-        return max(1, engine.max_model_len - prompt_len)
+        return max(1, self.engine.max_model_len - prompt_len)
 
-    async def submit(request: Request, ids: list[int], params: SamplingParams, stops: list[str], param: str):
+    async def submit(self, ids: list[int], params: SamplingParams, stops: list[str], param: str):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        output = SequenceText(tokenizer, stops)
+        output = SequenceText(self.tokenizer, stops)
         req = EngineRequest(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), output)
         try:
-            engine.submit(req)
+            self.engine.submit(req)
         except QueueFull as exc:
             raise P.APIError(503, str(exc), "server_overloaded", code="queue_full",
                              headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -255,7 +222,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
             raise P.input_error(exc, param) from None
         return req, events
 
-    async def collect(request: Request, req: EngineRequest, events: asyncio.Queue) -> tuple[str, Event]:
+    async def collect(self, request: Request, req: EngineRequest, events: asyncio.Queue) -> tuple[str, Event]:
         """Wait for the whole answer; a client that goes away aborts its request at once."""
         texts = []
         gone = asyncio.ensure_future(_disconnect(request))
@@ -263,7 +230,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
             while True:
                 ev = await _first(events.get(), gone)
                 if ev is None:
-                    engine.abort(req.id)
+                    self.engine.abort(req.id)
                     raise P.APIError(499, "the client closed the connection", code="client_closed")
                 if ev.kind == "tokens":
                     texts.append(ev.text or "")
@@ -274,7 +241,7 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
         finally:
             gone.cancel()
 
-    async def stream(req: EngineRequest, events: asyncio.Queue, chunk, include_usage: bool,
+    async def stream(self, req: EngineRequest, events: asyncio.Queue, chunk, include_usage: bool,
                      first: dict | None) -> AsyncIterator[str]:
         finished = False
         try:
@@ -300,50 +267,112 @@ def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str |
                     return
         finally:
             if not finished:  # the client went away (or the server stops): free the slot
-                engine.abort(req.id)
+                self.engine.abort(req.id)
 
-    @app.post("/v1/completions", dependencies=v1)
-    async def completions(body: P.CompletionRequest, request: Request):
+    async def completions(self, body: P.CompletionRequest, request: Request):
         body.check_supported()
-        check_model(body.model)
+        self.check_model(body.model)
         prompt = body.single_prompt()
-        ids = await run_in_threadpool(encode, prompt)
-        params = sampling(body, limit(len(ids), body.max_tokens, DEFAULT_COMPLETION_TOKENS))
-        req, events = await submit(request, ids, params, body.stop_strings(), "prompt")
-        rid, created = P.new_id("cmpl"), P.now()
+        ids = await run_in_threadpool(self.encode, prompt)
+        params = self.sampling(body, self.limit(len(ids), body.max_tokens, DEFAULT_COMPLETION_TOKENS))
+        req, events = await self.submit(ids, params, body.stop_strings(), "prompt")
+        rid, created, model = P.new_id("cmpl"), P.now(), self.model_name
         if body.stream:
             def chunk(text, reason):
-                return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                return {"id": rid, "object": "text_completion", "created": created, "model": model,
                         "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]}
 
-            return StreamingResponse(stream(req, events, chunk, body.include_usage, None),
+            return StreamingResponse(self.stream(req, events, chunk, body.include_usage, None),
                                      media_type="text/event-stream")
-        text, ev = await collect(request, req, events)
-        return P.CompletionResponse(id=rid, created=created, model=model_name,
+        text, ev = await self.collect(request, req, events)
+        return P.CompletionResponse(id=rid, created=created, model=model,
                                     choices=[P.CompletionChoice(text=text, finish_reason=ev.finish_reason)],
                                     usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
 
-    @app.post("/v1/chat/completions", dependencies=v1)
-    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+    async def chat_completions(self, body: P.ChatCompletionRequest, request: Request):
         body.check_supported()
-        check_model(body.model)
-        ids = await run_in_threadpool(render_chat, body)
-        params = sampling(body, limit(len(ids), body.token_limit(), None))
-        req, events = await submit(request, ids, params, body.stop_strings(), "messages")
-        rid, created = P.new_id("chatcmpl"), P.now()
+        self.check_model(body.model)
+        ids = await run_in_threadpool(self.render_chat, body)
+        params = self.sampling(body, self.limit(len(ids), body.token_limit(), None))
+        req, events = await self.submit(ids, params, body.stop_strings(), "messages")
+        rid, created, model = P.new_id("chatcmpl"), P.now(), self.model_name
         if body.stream:
             def chunk(text, reason, role=None):
                 delta = P.ChatDelta(role=role, content=text).model_dump(exclude_none=True)
-                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
 
-            return StreamingResponse(stream(req, events, chunk, body.include_usage, chunk("", None, "assistant")),
-                                     media_type="text/event-stream")
-        text, ev = await collect(request, req, events)
-        return P.ChatCompletionResponse(id=rid, created=created, model=model_name,
+            return StreamingResponse(self.stream(req, events, chunk, body.include_usage,
+                                                 chunk("", None, "assistant")), media_type="text/event-stream")
+        text, ev = await self.collect(request, req, events)
+        return P.ChatCompletionResponse(id=rid, created=created, model=model,
                                         choices=[P.ChatChoice(message=P.ChatMessageOut(content=text),
                                                               finish_reason=ev.finish_reason)],
                                         usage=P.Usage.of(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens))
+
+
+def create_app(engine: SlotEngine, tokenizer, *, model_name: str, api_key: str | None = None,
+               chat_template: str | None = None, sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
+    """The application serving ``engine`` (started; stopped when the application shuts down).
+
+    Args:
+        tokenizer: the target's transformers tokenizer (prompts, chat template, detokenization).
+        model_name: the name ``/v1/models`` lists and requests must use (or leave out).
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        chat_template: a Jinja chat template used instead of the tokenizer's.
+        sampling_defaults: ``temperature`` / ``top_k`` / ``top_p`` for requests that leave them out (e.g.
+            :func:`diffspec_jax.stopping.generation_defaults`); otherwise the OpenAI defaults (temperature 1,
+            top_p 1, no top-k).
+    """
+    api = _Api(engine, tokenizer, model_name, api_key, chat_template, sampling_defaults)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await run_in_threadpool(engine.stop)
+
+    app = FastAPI(title="diffspec-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(P.APIError)
+    async def _api_error(_request, exc: P.APIError):
+        return api.answer_error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, exc: RequestValidationError):
+        return api.answer_error(_validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        return api.answer_error(P.APIError(exc.status_code, str(exc.detail), "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request, exc: Exception):
+        return api.answer_error(P.APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error"))
+
+    async def authorized(request: Request) -> None:
+        await api.authorized(request)
+
+    v1 = [Depends(authorized)]
+
+    @app.get("/health")
+    async def health():
+        return api.health()
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
+        return api.models()
+
+    @app.get("/metrics")
+    async def metrics():
+        return api.metrics()
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: P.CompletionRequest, request: Request):
+        return await api.completions(body, request)
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        return await api.chat_completions(body, request)
 
     return app
 

@@ -59,21 +59,22 @@ import numpy as np
 
 from diffspec_jax.cache import round_capacity
 from diffspec_jax.config import SamplingConfig, SpecConfig
-from diffspec_jax import sharding
-from diffspec_jax.engine.compile import _CompileClock, enable_compilation_cache, param_spec_key
+from diffspec_jax.engine.compile import CompileClock, enable_compilation_cache, param_spec_key
 from diffspec_jax.engine import memory
-from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
-from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
+from diffspec_jax.engine.controllers import ShapeControl
 from diffspec_jax.engine.drafter import draft_spec, split_draft
+from diffspec_jax.engine.rules import (
+    block_cycles, draft_dtype, first_chunk_program, make_plan, replay, retrieves_after_prefill, stop_ids, validate)
 from diffspec_jax.engine.self_draft import SELF
 from diffspec_jax.engine.session import Session, default_session
-from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
 from diffspec_jax.mesh import make_mesh
 from diffspec_jax.models.attention import DENSE_ATTENTION_MAX_TOKENS
 from diffspec_jax.paging import OutOfPages, PageManager
+from diffspec_jax.retrieval_control import RetrievalBook
 from diffspec_jax.sampling import seed_key
 from diffspec_jax.target import REFERENCE_PREFILL_CHUNK, TargetModel, check_token_ids
+from diffspec_jax.utils import BACKEND_COMPILE_EVENT
 from diffspec_jax.validation import check_bool, check_int, check_page_size, check_real
 
 #: stop ids per request (the target's EOS ids included): a static width, so no stop set recompiles anything
@@ -93,8 +94,6 @@ PREFILL_AHEAD = 2
 WAVE_POLL_S = 0.002
 #: the window of the tokens/s gauge, seconds
 RATE_WINDOW_S = 10.0
-#: the XLA event counted by :attr:`SlotEngine.xla_compiles`
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class QueueFull(DiffspecError):
@@ -312,16 +311,18 @@ class SlotEngine:
         self.session = session = default_session() if session is None else session
         choice = split_draft(draft)
         draft, self.self_draft = choice.model, choice.self_draft
-        _validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
+        validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
         spec, self.drafter = draft_spec(choice, spec, target.config)
         if spec.draft_sampling != "argmax":
             raise ConfigError(f"draft_sampling={spec.draft_sampling!r}: request slots draft by argmax (each slot "
                               f"samples with its own settings at verification); use draft_sampling='argmax'")
         tc = target.config
         self.target, self.draft, self.spec, self.config = target, draft, spec, config
-        speculative = draft is not None or self.self_draft or self.drafter is not None
-        k = spec.num_speculative_tokens if speculative else 0
-        k_block = spec.verification.max_nodes if speculative and spec.tree else k
+        tp = config.tensor_parallel_size
+        self.mesh = make_mesh(tp) if tp > 1 else None
+        plan = make_plan(target, draft, spec, SamplingConfig(), 0, mesh=self.mesh, self_draft=self.self_draft,
+                         drafter=self.drafter, row_sampling=True)
+        k_block = plan.k_block
         self.max_model_len = config.max_model_len or min(tc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > tc.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the target's context window "
@@ -334,18 +335,10 @@ class SlotEngine:
         capacity = round_capacity((-(-(self.max_model_len + k_block + 1) // psize) + -(-(k_block + 1) // psize))
                                   * psize)  # (whole attention tiles, for the tiled prefill)
         self.max_pages = capacity // psize
-        tp = config.tensor_parallel_size
-        self.mesh = make_mesh(tp) if tp > 1 else None
-        draft_tp = sharding.draft_tp_for(self.mesh, spec.draft_tensor_parallel_size, draft is not None)
-        # the stop ids are inputs of the device loop, not part of its programs (as in generate())
-        plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
-                    draft=draft.config if draft is not None else None, spec=spec, sampling=SamplingConfig(),
-                    aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, paging=(1, psize),
-                    self_draft=self.self_draft, mesh=self.mesh, draft_tp=draft_tp, row_sampling=True,
-                    drafter=self.drafter)
+        plan = dataclasses.replace(plan, capacity=capacity, paging=(1, psize))
         # the params laid out on the mesh (refusing heads that do not divide), before the pool is sized beside them
-        self.tparams, self.dparams = session.prepare_params(target, draft, self.mesh, draft_tp)
-        ddtype = self.dparams["fc"].dtype if self.dparams else target.dtype
+        self.tparams, self.dparams = session.prepare_params(target, draft, self.mesh, plan.draft_tp)
+        ddtype = draft_dtype(target, self.dparams)
         device = self.mesh.devices.flat[0] if self.mesh is not None else None
         #: bytes of one page on each device (with a mesh: its KV heads of the target's K/V and of a sharded draft's
         #: store, a replicated draft's whole store)
@@ -360,7 +353,7 @@ class SlotEngine:
         self.prefix_caching = config.prefix_caching and plan.prefix_reusable
         self._namespace = plan.prefix_namespace(target.dtype)
         #: the draft's store lags the committed length by the pending entries (projected at the next draft step 0)
-        self._store_lag = k + 1 if plan.draft_store else 0
+        self._store_lag = plan.k + 1 if plan.draft_store else 0
         self.pager = self._new_pager()
         self._table = np.full((b, self.max_pages), self.num_pages, np.int32)
         self._table_dirty = True
@@ -370,20 +363,20 @@ class SlotEngine:
         self.prefill_chunk = min(width, capacity)
         #: prefill chunks between two decode blocks while slots decode
         self.chunks_per_block = max(1, (config.max_prefill_per_block or self.prefill_chunk) // self.prefill_chunk)
-        self.block_cycles = config.block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
+        self.block_cycles = block_cycles(plan, config.block_cycles)
         self.eos = tuple(tc.eos_token_ids if eos_token_ids is None else eos_token_ids)
         if len(self.eos) > MAX_STOP_IDS:
             raise ConfigError(f"{len(self.eos)} EOS ids; at most {MAX_STOP_IDS} stop ids fit a slot")
         check_token_ids(list(self.eos) or [0], tc.vocab_size, "eos_token_ids")
         enable_compilation_cache()
-        self.clock = _CompileClock()
+        self.clock = CompileClock()
         keys = (param_spec_key(self.tparams), param_spec_key(self.dparams)) if self.mesh is not None else (None, None)
         self._progs = session.slot_programs(plan, *keys)
         self._block = session.programs(plan, *keys).programs.block(int(self.block_cycles))
         self._init = self._progs.init(b, target.dtype, ddtype)
         self._acc = self._progs.acc(target.dtype)
-        self._ctl = _RetrievalControl(spec, b) if plan.diffspec else None
-        self._shape = _ShapeControl(plan, np.zeros(b, np.int64))
+        self._book = RetrievalBook(spec, b) if plan.diffspec else None
+        self._shape = ShapeControl(plan, b)
         self._host_len = np.zeros(b, np.int64)
         self._stops = np.full((b, MAX_STOP_IDS), -1, np.int32)
         self._stopsets: list[frozenset] = [frozenset()] * b
@@ -588,7 +581,7 @@ class SlotEngine:
             self.counters[key] += n
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
-        if event == _BACKEND_COMPILE_EVENT:
+        if event == BACKEND_COMPILE_EVENT:
             self.xla_compiles += 1
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -625,8 +618,8 @@ class SlotEngine:
         with self._lock:  # the warm-up requests went around submit(): every slot is free again
             self._rate.clear()
             self._queued, self._free = 0, self.num_slots
-        if self._ctl is not None:
-            self._ctl = _RetrievalControl(self.spec, self.num_slots)
+        if self._book is not None:
+            self._book = RetrievalBook(self.spec, self.num_slots)
 
     def _run(self) -> None:
         try:
@@ -893,8 +886,7 @@ class SlotEngine:
         narrow = min(self.prefill_chunk, DENSE_ATTENTION_MAX_TOKENS)
         w = narrow if left <= NARROW_TAIL_CHUNKS * narrow else self.prefill_chunk
         length = np.array([a.length], np.int32)
-        # the fast attention skips a first chunk's empty prefix; the reference has nothing to skip (one program)
-        first = s == 0 and a.start == 0 and self.plan.kernels == "pallas" and w == self.prefill_chunk
+        first = first_chunk_program(self.plan, a.start + s, full_width=w == self.prefill_chunk)
         chunk = self._progs.prefill_first if first else self._progs.prefill
         self._sync_table()
         self._state, a.acc, mark = chunk(self.clock, self.tparams, self.dparams, self._state, a.acc,
@@ -919,21 +911,17 @@ class SlotEngine:
             return
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos))
         self._stopsets[slot] = frozenset(stops)
-        self._stops[slot] = -1
-        self._stops[slot, :len(stops)] = sorted(stops)
-        retrieve = bool(plan.diffspec and self.spec.context.retrieve_after_prefill and not self._ctl.fits(n - 1))
-        self._shape.reset(slot, n)
-        depth = floor = plan.k
-        if plan.adaptive_depth:
-            depth, floor = self._shape.depth[slot].depth, self._shape.depth[slot].floor
-        if self._ctl is not None:
-            self._ctl.reset(slot)
+        self._stops[slot] = stop_ids(stops, MAX_STOP_IDS)
+        retrieve = bool(retrieves_after_prefill(plan, length)[0])
+        self._shape.reset(slot)
+        if self._book is not None:
+            self._book.reset(slot)
         self._host_len[slot] = n
         self._sync_table()
         self._state, self._loop, first, anchors = self._progs.start(
             self.clock, self.tparams, self.dparams, self._state, self._loop, a.acc, np.int32(slot), length,
-            np.int32(p.max_tokens - len(req.tokens)), self._stops[slot].copy(), np.bool_(retrieve), np.int32(depth),
-            np.int32(floor), self._drafter_context(req))
+            np.int32(p.max_tokens - len(req.tokens)), self._stops[slot].copy(), np.bool_(retrieve),
+            self._drafter_context(req))
         req.phase = "decode"
         req.marks["started"] = time.monotonic()
         self._pending.append(("start", req, slot, first, anchors, retrieve))
@@ -979,13 +967,13 @@ class SlotEngine:
     def _started(self, req: Request, slot: int, first: int, anchors: np.ndarray, retrieve: bool) -> None:
         if not self._current(req, slot):
             return
-        if self._ctl is not None:
+        if self._book is not None:
             if retrieve:
-                self._ctl.record(slot, anchors, len(req.prompt_ids) - 1, 0.0, True)
+                self._book.retrieved(slot, anchors, len(req.prompt_ids) - 1, 0.0, True)
                 self._bump("retrievals", 1)
                 self._check_ranks(anchors, np.bool_(True))
             elif not self.spec.context.retrieve_after_prefill:
-                self._ctl.skip_prefill(slot)
+                self._book.skip_prefill(slot)
         if req.first_token_at is None:
             req.first_token_at = time.monotonic()
             self._bump("prompt_tokens", len(req.prompt_ids))
@@ -1000,7 +988,7 @@ class SlotEngine:
         keep = np.array([self._current(r, i) for i, r in enumerate(owners)])
         if res.record is not None:
             rec = res.record.replace(live=res.record.live & keep[None, :])
-            _replay(rec, int(res.steps), np.arange(self.num_slots), self._host_len, self._shape, self._ctl, 0.0)
+            replay(rec, int(res.steps), np.arange(self.num_slots), self._host_len, self._shape, self._book, 0.0)
             if rec.due is not None:
                 self._bump("retrievals", int((rec.due & rec.live).sum()))
                 self._check_ranks(rec.anchors, rec.due & rec.live)
