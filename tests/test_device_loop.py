@@ -1,6 +1,6 @@
 """The device-resident decode loop: one host read per block (not per cycle), streaming per block, tree cycles in
-blocks, the on-device controllers deciding exactly what the host controllers decide, capacity buckets, compile
-time reported apart, and the persistent compilation cache."""
+blocks, the device's retrieval cadence deciding exactly what the torch bridge's host cadence decides, the host
+reading a block's record, capacity buckets, compile time reported apart, and the persistent compilation cache."""
 
 import collections
 import math
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import random_prompts
-from diffspec_jax import SpecConfig, engine, generate
+from diffspec_jax import SamplingConfig, SpecConfig, engine, generate
 from diffspec_jax.errors import ConfigError
-from diffspec_jax.retrieval_control import RetrievalControl
+from diffspec_jax.engine.controllers import ShapeControl
+from diffspec_jax.retrieval_control import RetrievalBook, RetrievalControl
 from diffspec_jax.utils import CompileCounter
 
 LENGTHS = (23, 61, 40)  # test_engine's prompts and lengths: the programs compiled here are shared with it
@@ -182,6 +183,38 @@ def test_capacity_buckets():
     for n in range(1, 20000, 97):
         c = cb(n)
         assert c >= n and c % 256 == 0 and c <= max(256, 1.25 * n + 256)
+
+
+def test_replay_books_what_the_record_says(targets):
+    """The host reads a block's record (two rows, three cycles, row 1 idle in the second): committed lengths, the
+    retrieval counters (a retrieval, a skip before the interval, a skip because the context fits, the interval and
+    anchors as recorded, the call's time split over the rows retrieving together) and the adaptive depth's
+    report."""
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", num_speculative_tokens=3,
+                                     diffspec_adaptive_profile=True))
+    plan = engine.make_plan(targets["llama"], None, spec, SamplingConfig(), 1024, self_draft=True)
+    c, b, a = 3, 2, spec.max_chunks - 1
+    i32 = lambda *rows: np.array(rows, np.int32)  # noqa: E731
+    anchors = np.full((1, c, b, a), -1, np.int32)
+    anchors[0, 0, :, :2] = [[1, 2], [0, 3]]
+    rec = engine.CycleRecord(live=np.array([[1, 1], [1, 0], [1, 1]], bool), m=i32([2, 0], [3, 0], [1, 2]),
+                             n=i32([9, 9], [8, 0], [7, 7]), window=i32([5, 5], [4, 0], [3, 3]),
+                             due=np.array([[1, 1], [0, 0], [0, 0]], bool), since=i32([0, 0], [1, 0], [2, 1]),
+                             interval=i32([8, 4], [8, 4], [2, 4]), anchors=anchors,
+                             depth=i32([3, 3], [2, 3], [2, 2]), floor=i32([3, 3], [2, 3], [2, 2]))
+    book, shape = RetrievalBook(spec, 4), ShapeControl(plan, 4)
+    for seq in range(4):
+        shape.reset(seq, (3, 3))  # the start depth and floor
+    host_len, rows = np.array([0, 0, 100, 200], np.int64), np.array([2, 3])  # batch rows 0, 1 are sequences 2, 3
+    engine.replay(rec, 3, rows, host_len, shape, book, 10.0)
+    assert host_len.tolist() == [0, 0, 100 + 3 + 4 + 2, 200 + 1 + 3]
+    s2, s3 = book.c[2], book.c[3]
+    assert (s2.cycles, s2.retrievals, s2.skipped_not_due, s2.skipped_fits) == (3, 1, 1, 1)
+    assert (s3.cycles, s3.retrievals, s3.skipped_not_due, s3.skipped_fits) == (2, 1, 1, 0)
+    assert (s2.interval, s3.interval, s2.working_len, s2.window_tokens) == (2, 4, 7, 3)
+    assert s2.anchor_chunks == [1, 2] and s3.anchor_chunks == [0, 3] and s3.sink_kept and not s2.sink_kept
+    assert s2.retrieval_ms == s3.retrieval_ms == 5.0  # one call, split over the two rows it served
+    assert shape.report(4)["per_sequence"] == [{"depth": 3, "floor": 3}] * 2 + [{"depth": 2, "floor": 2}] * 2
 
 
 def test_stop_ids_are_padded_to_a_static_size():

@@ -37,8 +37,8 @@ from diffspec_jax.engine.loop import LoopState, loop_specs, start_cadence, start
 from diffspec_jax.engine.prefill import PrefillAcc
 from diffspec_jax.engine.prefix_cache import PrefixCache
 from diffspec_jax.engine.rules import (
-    block_cycles as cycles_per_block, draft_dtype, first_chunk_program, make_plan, replay, retrieves_after_prefill,
-    stop_ids, validate)
+    block_cycles as cycles_per_block, draft_dtype, first_chunk_program, make_plan, positions_needed, replay,
+    retrieves_after_prefill, stop_ids, validate)
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.state import DecodeState, Plan, shared_pools, with_pools
 from diffspec_jax.errors import ConfigError, InputError
@@ -422,17 +422,17 @@ def _plan(target: TargetModel, req: _Request, page_size: int | None, prefix_cach
     tc = target.config
     plan = make_plan(target, req.draft, req.spec, req.sampling, 0, mesh=req.mesh, proposer=req.proposer,
                      self_draft=req.self_draft, drafter=req.drafter)
-    k_block, longest = plan.k_block, max(len(p) for p in req.prompts)
-    need = longest + req.max_new_tokens + k_block + 1
+    longest = max(len(p) for p in req.prompts)
+    need = positions_needed(plan, longest + req.max_new_tokens)
     if longest + req.max_new_tokens > tc.max_position_embeddings:
         raise InputError(f"the longest prompt ({longest} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds "
                          f"the target's context window (max_position_embeddings {tc.max_position_embeddings})")
     if req.max_cache_len is not None and req.max_cache_len < need:
         raise InputError(f"the longest prompt ({longest} tokens) + max_new_tokens ({req.max_new_tokens}) + "
-                         f"{'max_tree_nodes' if k_block != plan.k else 'K'} + 1 = {need} positions exceed the cache "
+                         f"{'max_tree_nodes' if plan.tree_mode else 'K'} + 1 = {need} positions exceed the cache "
                          f"capacity max_cache_len={req.max_cache_len}")
     capacity = (round_capacity(req.max_cache_len) if req.max_cache_len is not None
-                else capacity_bucket(need, tc.max_position_embeddings + k_block + 1))
+                else capacity_bucket(need, positions_needed(plan, tc.max_position_embeddings)))
     if prefix_cache is not None:
         if not isinstance(prefix_cache, PrefixCache):
             raise ConfigError(f"prefix_cache must be a diffspec_jax.PrefixCache, got {type(prefix_cache).__name__}")
@@ -491,8 +491,8 @@ def _prefill(call: _Call) -> DecodeState:
     starts = np.zeros(batch, np.int32)  # prompt tokens already in the cache (a prefix cache's reused pages)
     table = None
     if call.prefix_cache is not None:
-        call.prefix_run = call.prefix_cache.admit(plan, call.prompts, call.req.max_new_tokens + plan.k_block + 1,
-                                                  call.target.dtype)
+        reserve = positions_needed(plan, call.req.max_new_tokens)
+        call.prefix_run = call.prefix_cache.admit(plan, call.prompts, reserve, call.target.dtype)
         starts, table = call.prefix_run.starts, call.prefix_run.table
     elif plan.paging is not None:  # sequence b holds pages b * P' .. (b + 1) * P' - 1 of the pool (P' per sequence)
         table = np.arange(plan.paging[0], dtype=np.int32).reshape(batch, -1)
@@ -564,7 +564,7 @@ def _loop_init(call: _Call) -> LoopState:
                      depth=depth)
     # as host arrays first: rows the rules computed once (a depth and its floor) become distinct device buffers,
     # as the block program, which donates the loop state, needs
-    return _put(plan, jax.device_get(loop), loop_specs(plan))
+    return _put(plan, jax.tree_util.tree_map(np.array, loop), loop_specs(plan))
 
 
 @dataclass

@@ -1,8 +1,7 @@
 """Host-side rules that :func:`~diffspec_jax.engine.driver.generate` and the server's slot engine
 (:class:`diffspec_jax.serving.scheduler.SlotEngine`, over :mod:`diffspec_jax.engine.slots`) share, each written
 once: checking a request's arguments (:func:`validate`), the :class:`~diffspec_jax.engine.state.Plan` of a run
-(:func:`make_plan`; its verify block is :attr:`Plan.k_block <diffspec_jax.engine.state.Plan.k_block>`), cycles per
-device block (:func:`block_cycles`), the draft's dtype (:func:`draft_dtype`), which program runs a prefill chunk
+(:func:`make_plan`), the cache positions a sequence needs (:func:`positions_needed`), cycles per device block (:func:`block_cycles`), the draft's dtype (:func:`draft_dtype`), which program runs a prefill chunk
 (:func:`first_chunk_program`), stop ids as a device input (:func:`stop_ids`), which rows retrieve right after
 prefill (:func:`retrieves_after_prefill`), and reading a block's per-cycle record into the host's books
 (:func:`replay`).
@@ -92,6 +91,13 @@ def make_plan(target: TargetModel, draft, spec: SpecConfig, sampling: SamplingCo
                 aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
                 mesh=mesh, draft_tp=draft_tp, self_draft=self_draft, paging=paging, row_sampling=row_sampling,
                 drafter=drafter)
+
+
+def positions_needed(plan: Plan, tokens: int) -> int:
+    """Cache positions a sequence of ``tokens`` tokens (prompt and generated) needs: the verify block of its last
+    cycle writes :attr:`~Plan.k_block` + 1 rows past its committed length (K + 1, or a tree's ``max_tree_nodes +
+    1``)."""
+    return tokens + plan.k_block + 1
 
 
 def block_cycles(plan: Plan, requested: int | None) -> int:

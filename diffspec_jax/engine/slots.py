@@ -47,6 +47,7 @@ from diffspec_jax.engine.compile import _Program, init_program, program_specs, s
 from diffspec_jax.engine.loop import LoopState, fresh_cadence, start_cadence, start_depth
 from diffspec_jax.engine.prefill import PrefillAcc, _prefill_chunk, _start_decode
 from diffspec_jax.engine.retrieve import _retrieve
+from diffspec_jax.engine.rules import positions_needed
 from diffspec_jax.engine.state import DecodeState, Plan, _init_state, shared_pools, strip_pools, with_pools
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.models import eagle3
@@ -107,7 +108,7 @@ def parked_length(plan: Plan) -> int:
     (``k_block + 1`` rows: K + 1, or a tree's ``max_tree_nodes + 1``) ends at the capacity, so every write and read
     of a masked cycle stays inside the cache, past any prompt (a request needs ``prompt + max_tokens <=
     max_model_len <= capacity - k_block - 1``)."""
-    return plan.capacity - plan.k_block - 1
+    return plan.capacity - positions_needed(plan, 0)
 
 
 def slot_reset(plan: Plan, state: DecodeState, slot, temperature, top_k, top_p, key) -> DecodeState:

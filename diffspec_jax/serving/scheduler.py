@@ -64,7 +64,8 @@ from diffspec_jax.engine import memory
 from diffspec_jax.engine.controllers import ShapeControl
 from diffspec_jax.engine.drafter import draft_spec, split_draft
 from diffspec_jax.engine.rules import (
-    block_cycles, draft_dtype, first_chunk_program, make_plan, replay, retrieves_after_prefill, stop_ids, validate)
+    block_cycles, draft_dtype, first_chunk_program, make_plan, positions_needed, replay, retrieves_after_prefill,
+    stop_ids, validate)
 from diffspec_jax.engine.self_draft import SELF
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
@@ -322,7 +323,6 @@ class SlotEngine:
         self.mesh = make_mesh(tp) if tp > 1 else None
         plan = make_plan(target, draft, spec, SamplingConfig(), 0, mesh=self.mesh, self_draft=self.self_draft,
                          drafter=self.drafter, row_sampling=True)
-        k_block = plan.k_block
         self.max_model_len = config.max_model_len or min(tc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > tc.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the target's context window "
@@ -331,8 +331,9 @@ class SlotEngine:
         # the page table reaches max_model_len + the verify block, plus whole pages never allocated that hold a
         # parked slot's masked writes (slots.parked_length)
         psize = self.page_size = config.block_size
-        self.k_block = k_block
-        capacity = round_capacity((-(-(self.max_model_len + k_block + 1) // psize) + -(-(k_block + 1) // psize))
+        #: pages one request of ``max_model_len`` tokens needs
+        self.request_pages = -(-positions_needed(plan, self.max_model_len) // psize)
+        capacity = round_capacity((self.request_pages + -(-positions_needed(plan, 0) // psize))
                                   * psize)  # (whole attention tiles, for the tiled prefill)
         self.max_pages = capacity // psize
         plan = dataclasses.replace(plan, capacity=capacity, paging=(1, psize))
@@ -344,7 +345,7 @@ class SlotEngine:
         #: store, a replicated draft's whole store)
         self.page_bytes = memory.page_bytes(plan, target.dtype, ddtype)
         self.num_pages = self._pool_pages(config, capacity, self.page_bytes, device)
-        need = -(-(self.max_model_len + k_block + 1) // psize)
+        need = self.request_pages
         if self.num_pages < need:
             raise ConfigError(f"the KV pool has {self.num_pages} pages of {psize} tokens, fewer than one request of "
                               f"max_model_len {self.max_model_len} needs ({need}): lower max_model_len or give the "
@@ -433,7 +434,7 @@ class SlotEngine:
     def pool_summary(self) -> str:
         """One line on the K/V pool: pages, tokens, how many max-length requests fit, prefix caching."""
         tokens = self.num_pages * self.page_size
-        fit = self.num_pages // -(-(self.max_model_len + self.k_block + 1) // self.page_size)
+        fit = self.num_pages // self.request_pages
         caching = "on" if self.prefix_caching else ("off" if not self.config.prefix_caching else
                                                     "off (this model's state is not all in pages)")
         return (f"K/V pool {self.num_pages} pages x {self.page_size} tokens = {tokens} tokens, {fit} request(s) of "
@@ -830,8 +831,8 @@ class SlotEngine:
         """Positions ``req`` may write before the host reads its next results: its committed length, two blocks of
         accepted tokens (one in flight, one being dispatched) and a verify block, capped at its token limit."""
         known = len(req.prompt_ids) + len(req.tokens)
-        ahead = 2 * self.block_cycles * (self.plan.k + 1) + self.k_block + 1
-        return min(known + ahead, len(req.prompt_ids) + req.params.max_tokens + self.k_block + 1)
+        ahead = 2 * self.block_cycles * (self.plan.k + 1)
+        return positions_needed(self.plan, min(known + ahead, len(req.prompt_ids) + req.params.max_tokens))
 
     def _prefill(self) -> bool:
         """Dispatch prefill chunks, the admission with the fewest tokens left first: while a wave forms, every
