@@ -317,11 +317,12 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                  stop_token_ids=stop_token_ids, max_cache_len=max_cache_len, prefill_chunk=prefill_chunk,
                  on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh, block_cycles=block_cycles,
                  stop=stop, tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, on_text=on_text,
-                 session=session)
-    call = _prepare(target, req, _plan(target, req, page_size, prefix_cache), prefix_cache, t_call)
-    state = _prefill(call)
-    state, _, tally = _decode(call, state)
-    return _finish(call, state, tally)
+                 session=session)  # 1. validate
+    plan = _plan(target, req, page_size, prefix_cache)  # 2. plan: capacity, paging, programs, memory
+    call = _prepare(target, req, plan, prefix_cache, t_call)
+    state = _prefill(call)  # 3. prefill, the first tokens, the retrieval after prefill
+    state, tally = _decode(call, state)  # 4. decode blocks
+    return _finish(call, state, tally)  # 5. finish: the result and its statistics
 
 
 @dataclass
@@ -389,7 +390,7 @@ class _Call:
 def _check(target: TargetModel, draft, prompts, *, max_new_tokens, spec, sampling, seed, stop_token_ids,
            max_cache_len, prefill_chunk, on_tokens, progress, proposer, mesh, block_cycles, stop, tokenizer,
            skip_special_tokens, on_text, session) -> _Request:
-    """Step 1: check every argument (named errors) and resolve the draft choice."""
+    """Step 1 of :func:`generate`: check every argument (named errors) and resolve the draft choice."""
     spec = SpecConfig() if spec is None else spec
     session = default_session() if session is None else session
     if not isinstance(session, Session):
@@ -417,8 +418,9 @@ def _check(target: TargetModel, draft, prompts, *, max_new_tokens, spec, samplin
 
 
 def _plan(target: TargetModel, req: _Request, page_size: int | None, prefix_cache: PrefixCache | None) -> Plan:
-    """Step 2a: the run's :class:`Plan`: its cache capacity (the longest prompt + ``max_new_tokens`` + the verify
-    block, bucketed, or ``max_cache_len``) and paging."""
+    """Step 2 of :func:`generate`: the run's :class:`Plan`: its cache capacity (what the longest prompt with
+    ``max_new_tokens`` needs, :func:`~diffspec_jax.engine.rules.positions_needed`, bucketed; or ``max_cache_len``)
+    and paging."""
     tc = target.config
     plan = make_plan(target, req.draft, req.spec, req.sampling, 0, mesh=req.mesh, proposer=req.proposer,
                      self_draft=req.self_draft, drafter=req.drafter)
@@ -447,8 +449,8 @@ def _plan(target: TargetModel, req: _Request, page_size: int | None, prefix_cach
 
 def _prepare(target: TargetModel, req: _Request, plan: Plan, prefix_cache: PrefixCache | None,
              t_call: float) -> _Call:
-    """Step 2b: the params and compiled programs of the plan, the batch padded for data parallelism, the memory
-    check (before anything is allocated), the statistics and the host's books."""
+    """Step 2 of :func:`generate` (continued): the params and compiled programs of the plan, the batch padded for data
+    parallelism, the memory check (before anything is allocated), the statistics and the host's books."""
     enable_compilation_cache()
     tparams, dparams = req.session.prepare_params(target, req.draft, plan.mesh, plan.draft_tp)
     keyed = plan.mesh is not None
@@ -484,8 +486,8 @@ def _prepare(target: TargetModel, req: _Request, plan: Plan, prefix_cache: Prefi
 
 
 def _prefill(call: _Call) -> DecodeState:
-    """Step 3: the cache set-up, the chunked prefill, the first token of every prompt (streamed), and DiffSpec's
-    retrieval after prefill."""
+    """Step 3 of :func:`generate`: the cache set-up, the chunked prefill, the first token of every prompt (streamed),
+    and DiffSpec's retrieval after prefill."""
     plan, progs, clock, stats, batch = call.plan, call.progs, call.clock, call.stats, call.batch
     t0 = time.perf_counter()
     starts = np.zeros(batch, np.int32)  # prompt tokens already in the cache (a prefix cache's reused pages)
@@ -585,9 +587,9 @@ class _Tally:
                    hist=np.zeros(k + 1, np.int64))
 
 
-def _decode(call: _Call, state: DecodeState) -> tuple[DecodeState, LoopState, _Tally]:
-    """Step 4: the device loop, one block in flight ahead of the one the host reads (two; one when a block's tree
-    shape needs the last block's record), until every sequence is done."""
+def _decode(call: _Call, state: DecodeState) -> tuple[DecodeState, _Tally]:
+    """Step 4 of :func:`generate`: the device loop, one block in flight ahead of the one the host reads (two; one when a
+    block's tree shape needs the last block's record), until every sequence is done."""
     plan, stats, out, clock = call.plan, call.stats, call.out, call.clock
     compile_before, t1 = clock.seconds, time.perf_counter()
     rows = np.arange(call.batch)  # device row -> sequence
@@ -614,7 +616,7 @@ def _decode(call: _Call, state: DecodeState) -> tuple[DecodeState, LoopState, _T
     # string ended the last ones (they ran the cycles of one block)
     jax.block_until_ready((state.length, loop.done))
     stats.decode_s = time.perf_counter() - t1 - (clock.seconds - compile_before)
-    return state, loop, tally
+    return state, tally
 
 
 def _read_block(call: _Call, res, used: np.ndarray, tally: _Tally) -> None:
@@ -651,7 +653,7 @@ def _compact(call: _Call, state: DecodeState, loop: LoopState, rows: np.ndarray)
 
 
 def _finish(call: _Call, state: DecodeState, tally: _Tally) -> GenerateResult:
-    """Step 5: the result and its statistics; a prefix cache keeps the call's pages."""
+    """Step 5 of :func:`generate`: the result and its statistics; a prefix cache keeps the call's pages."""
     stats, plan, real, out = call.stats, call.plan, call.real, call.out
     stats.compile_s = call.clock.seconds
     if call.bar is not None:
