@@ -313,11 +313,11 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
             anything is allocated or compiled.
     """
     t_call = time.perf_counter()
-    req = _check(target, draft, prompts, max_new_tokens=max_new_tokens, spec=spec, sampling=sampling, seed=seed,
-                 stop_token_ids=stop_token_ids, max_cache_len=max_cache_len, prefill_chunk=prefill_chunk,
-                 on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh, block_cycles=block_cycles,
-                 stop=stop, tokenizer=tokenizer, skip_special_tokens=skip_special_tokens, on_text=on_text,
-                 session=session)  # 1. validate
+    req = _validate(target, draft, prompts, max_new_tokens=max_new_tokens, spec=spec, sampling=sampling,
+                    seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
+                    prefill_chunk=prefill_chunk, on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh,
+                    block_cycles=block_cycles, stop=stop, tokenizer=tokenizer,
+                    skip_special_tokens=skip_special_tokens, on_text=on_text, session=session)  # 1. validate
     plan = _plan(target, req, page_size, prefix_cache)  # 2. plan: capacity, paging, programs, memory
     call = _prepare(target, req, plan, prefix_cache, t_call)
     state = _prefill(call)  # 3. prefill, the first tokens, the retrieval after prefill
@@ -327,7 +327,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
 
 @dataclass
 class _Request:
-    """A :func:`generate` call's arguments, checked and normalised (:func:`_check`)."""
+    """A :func:`generate` call's arguments, checked and normalised (:func:`_validate`)."""
 
     prompts: list[np.ndarray]
     draft: Any  # a loaded draft or None
@@ -387,9 +387,9 @@ class _Call:
         return len(self.prompts)
 
 
-def _check(target: TargetModel, draft, prompts, *, max_new_tokens, spec, sampling, seed, stop_token_ids,
-           max_cache_len, prefill_chunk, on_tokens, progress, proposer, mesh, block_cycles, stop, tokenizer,
-           skip_special_tokens, on_text, session) -> _Request:
+def _validate(target: TargetModel, draft, prompts, *, max_new_tokens, spec, sampling, seed, stop_token_ids,
+              max_cache_len, prefill_chunk, on_tokens, progress, proposer, mesh, block_cycles, stop, tokenizer,
+              skip_special_tokens, on_text, session) -> _Request:
     """Step 1 of :func:`generate`: check every argument (named errors) and resolve the draft choice."""
     spec = SpecConfig() if spec is None else spec
     session = default_session() if session is None else session

@@ -220,7 +220,8 @@ class Plan:
 
     @property
     def records(self) -> bool:
-        """Whether a block returns its per-cycle :class:`CycleRecord` (some host controller replays it)."""
+        """Whether a block returns its per-cycle :class:`CycleRecord` (the host reads it: the retrieval counters, the
+        tree controllers, the adaptive depth's report)."""
         return self.diffspec or self.tree_mode or self.adaptive_depth
 
 
