@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
-from diffspec_jax import working_cache, working_set
+from diffspec_jax import working_cache
 from diffspec_jax.cache import HybridCache
 from diffspec_jax.engine.compile import _Program, init_program, program_specs, sharded_program
 from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
@@ -131,9 +131,8 @@ def slot_reset(plan: Plan, state: DecodeState, slot, temperature, top_k, top_p, 
                           score_lse=_set(ret.score_lse, slot, 0), draft_q=_set(ret.draft_q, slot, 0),
                           chunk_sum=None if ret.chunk_sum is None else _set(ret.chunk_sum, slot, 0))
         state = state.replace(retrieval=ret)
-    ws = state.draft_cache
-    if isinstance(ws, working_set.WorkingSet):  # a self-draft's working set is rebuilt at the slot's first draft
-        state = state.replace(draft_cache=ws.replace(built=_set(ws.built, slot, working_set.UNBUILT)))
+    if plan.drafter is not None:  # (a self-draft's working set is rebuilt at the slot's first draft)
+        state = plan.drafter.reset_row(plan, state, slot)
     tc = state.target_cache
     if isinstance(tc, HybridCache):  # recurrent states start from zero (KV rows need no clearing)
         zero = lambda bufs: tuple(_set(b, slot, 0) for b in bufs)  # noqa: E731
