@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from diffspec_jax.engine.drafter import DRAFTERS
 from diffspec_jax.engine.drafting import Drafter, Proposal, zero_rows
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.sampling import processed_logprobs
-from test_self_draft import CAPACITY, N_BATCH, N_CALLS, micro, prefilled  # noqa: F401 (micro: a fixture)
+from test_self_draft import CAPACITY, micro, prefilled, sampled_cycles  # noqa: F401 (micro: a fixture)
 
 
 # ------------------------------------------------------------------------------------------- the toy drafter
@@ -76,15 +75,8 @@ def test_toy_drafter_sampling_keeps_the_target_distribution(micro):  # noqa: F81
                        aux_layers=(), capacity=CAPACITY, drafter=RepeatLast())
     base, _ = prefilled(plan, micro, [prompt])
     base = base.replace(last_token=jnp.full((1,), x, jnp.int32))
-    copies = jax.jit(lambda st, key: st.take(jnp.zeros(N_BATCH, jnp.int32)).replace(rng=key))
-    cycle = engine.compiled(plan).cycle
-    active = jnp.ones(N_BATCH, bool)
-    firsts, accepted = [], []
-    for i in range(N_CALLS):
-        _, emitted, m, *_ = cycle(micro.params, None, copies(base, jax.random.PRNGKey(i)), active)
-        firsts.append(np.asarray(emitted[:, 0]))
-        accepted.append(np.asarray(m) > 0)
-    counts = np.bincount(np.concatenate(firsts), minlength=p.shape[0])
+    firsts, accepted = sampled_cycles(plan, micro, base)
+    counts = np.bincount(firsts.ravel(), minlength=p.shape[0])
     assert chi_square_pvalue(counts, p) > 1e-3
     assert abs(np.mean(accepted) - p[x]) < 0.02
 

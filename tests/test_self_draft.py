@@ -205,6 +205,21 @@ def micro():
     return TargetModel(cfg, llama.init_params(cfg, seed=3, scale=0.3))
 
 
+def sampled_cycles(plan, target, base, **leaves):
+    """``N_CALLS`` chain cycles (the engine's program, state donated) of ``N_BATCH`` copies of the batch-1 state
+    ``base``, with fresh keys and ``leaves`` set in every copy: the first emitted token and whether a draft was
+    accepted, each ``[N_CALLS, N_BATCH]``."""
+    copies = jax.jit(lambda st, key: st.take(jnp.zeros(N_BATCH, jnp.int32)).replace(rng=key, **leaves))
+    cycle = engine.compiled(plan).cycle
+    active = jnp.ones(N_BATCH, bool)
+    firsts, accepted = [], []
+    for i in range(N_CALLS):
+        _, emitted, m, *_ = cycle(target.params, None, copies(base, jax.random.PRNGKey(i)), active)
+        firsts.append(np.asarray(emitted[:, 0]))
+        accepted.append(np.asarray(m) > 0)
+    return np.stack(firsts), np.stack(accepted)
+
+
 def test_self_draft_sampling_keeps_the_target_distribution(micro):
     """24,000 verification cycles of one context (draft tokens sampled from the self-draft's processed
     distribution, verified with it as q): the first emitted token follows the target's processed distribution
@@ -225,12 +240,8 @@ def test_self_draft_sampling_keeps_the_target_distribution(micro):
                                                                    jax.random.PRNGKey(0))[1][0, 0], np.float64)
     p = np.exp(np.asarray(processed_logprobs(forward(micro, [prompt + [x]])[0, -1], sampling), np.float64))
     assert 0.5 * np.abs(q - p).sum() > 0.3  # total variation: the working set really changes the distribution
-    copies = jax.jit(lambda st, key: st.take(jnp.zeros(N_BATCH, jnp.int32)).replace(rng=key))
-    cycle = engine.compiled(plan).cycle  # the engine's chain cycle (state donated)
-    active = jnp.ones(N_BATCH, bool)
-    firsts = [np.asarray(cycle(micro.params, None, copies(base, jax.random.PRNGKey(i)), active)[1][:, 0])
-              for i in range(N_CALLS)]
-    counts = np.bincount(np.concatenate(firsts), minlength=p.shape[0])
+    firsts, _ = sampled_cycles(plan, micro, base)
+    counts = np.bincount(firsts.ravel(), minlength=p.shape[0])
     assert chi_square_pvalue(counts, p / p.sum()) > 1e-3
     accept_all = np.bincount(np.random.default_rng(0).choice(p.shape[0], counts.sum(), p=q / q.sum()),
                              minlength=p.shape[0])  # what emitting the drafts unverified would give
@@ -273,15 +284,7 @@ def test_prompt_lookup_sampling_keeps_the_target_distribution(micro, behind):
     rows[found, 10], rows[found, 11] = x, d  # one earlier x, followed by d
     base = base.replace(last_token=jnp.full((1,), x, jnp.int32))
     mine = (jnp.asarray(rows), None) if behind else jnp.asarray(rows)  # (InFront: the pair of the two states)
-    copies = jax.jit(lambda st, key: st.take(jnp.zeros(N_BATCH, jnp.int32)).replace(rng=key, drafter=mine))
-    cycle = engine.compiled(plan).cycle
-    active = jnp.ones(N_BATCH, bool)
-    firsts, accepted = [], []
-    for i in range(N_CALLS):
-        _, emitted, m, *_ = cycle(micro.params, None, copies(base, jax.random.PRNGKey(i)), active)
-        firsts.append(np.asarray(emitted[:, 0]))
-        accepted.append(np.asarray(m) > 0)
-    firsts, accepted = np.stack(firsts), np.stack(accepted)
+    firsts, accepted = sampled_cycles(plan, micro, base, drafter=mine)
     for half in (found, ~found):
         counts = np.bincount(firsts[:, half].ravel(), minlength=p.shape[0])
         assert chi_square_pvalue(counts, p) > 1e-3
