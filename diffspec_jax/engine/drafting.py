@@ -17,7 +17,9 @@ policy reads: :meth:`Drafter.init_cache`). It is consulted at these points of a 
 * after the acceptance (:func:`~diffspec_jax.engine.verify._accept`): :meth:`Drafter.update` with the emitted tokens
   (a model draft's own K/V of the accepted tokens are written by its next :meth:`Drafter.propose`, from the
   verified entries the state keeps pending);
-* a server slot's reset (:func:`~diffspec_jax.engine.slots.slot_reset`): :meth:`Drafter.reset_row`.
+* a server slot's reset (:func:`~diffspec_jax.engine.slots.slot_reset`): :meth:`Drafter.reset_row`;
+* DiffSpec's retrieval with the salience scorer (:func:`~diffspec_jax.engine.retrieve._select_anchors`):
+  :meth:`Drafter.root_query`.
 
 The registry of drafters by name is :data:`diffspec_jax.engine.drafter.DRAFTERS`.
 """
@@ -128,6 +130,12 @@ class Drafter:
         """The state with row ``row`` (a server slot) cleared for a new request."""
         return state
 
+    def root_query(self, plan, dparams, state) -> jax.Array:
+        """The draft's query of the upcoming root entry, float32 ``[B, H, D]``, which DiffSpec's salience scorer
+        scores chunk summaries with (:func:`~diffspec_jax.engine.retrieve._select_anchors`); only a draft model
+        with keys of its own has one (an EAGLE-3 draft: configurations that need it are refused otherwise)."""
+        raise NotImplementedError(f"draft={self.name!r} has no draft query for the salience scorer")
+
 
 def zero_rows(state) -> jax.Array:
     """int32 ``[B]`` zeros (a proposal's ``n`` and ``window`` without a working cache)."""
@@ -191,3 +199,6 @@ class InFront(Drafter):
 
     def reset_row(self, plan, state, row):
         return self.behind.reset_row(plan, state, row)
+
+    def root_query(self, plan, dparams, state):
+        return self.behind.root_query(plan, dparams, state)

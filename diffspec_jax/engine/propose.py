@@ -255,6 +255,14 @@ class Eagle3Drafter(Drafter):
             drafts, q = drafts[:, :depth], None if q is None else q[:, :depth]
         return Proposal(drafts, q, state.replace(draft_cache=dcache, retrieval=ret), n, window)
 
+    def root_query(self, plan, dparams, state):
+        """The draft's query of the upcoming root entry, float32 ``[B, Hq_d, D_d]`` (the salience scorer's)."""
+        rrow = state.pend_count - 1
+        z, _ = eagle3.entry_inputs(plan.draft, dparams, _rows(state.pend_tokens, rrow)[:, None],
+                                   _rows(state.pend_feats, rrow)[:, None], from_target=True,
+                                   axis_name=plan.draft_axis)
+        return eagle3.qkv(dparams, z)[0][:, 0].astype(jnp.float32)
+
     def propose_tree(self, plan, dparams, state, active, caps, budget):
         """:func:`draft_propose_tree`: ``(tree, state, n [B], window [B])``."""
         t, dcache, ret, n, window = draft_propose_tree(plan, dparams, state, active, caps, budget)

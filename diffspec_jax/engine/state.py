@@ -257,7 +257,8 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int, po
     drafter = plan.drafter
     return DecodeState(
         target_cache=tcache,
-        draft_cache=drafter.init_cache(plan, batch, target_dtype, draft_dtype, pool_rows) if drafter else None,
+        draft_cache=drafter.init_cache(plan, batch, target_dtype, draft_dtype, pool_rows) if drafter is not None
+        else None,
         retrieval=ret,
         length=jnp.zeros((batch,), jnp.int32), last_token=jnp.zeros((batch,), jnp.int32),
         pend_tokens=jnp.zeros((batch, k1), jnp.int32),
