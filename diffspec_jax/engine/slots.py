@@ -183,8 +183,8 @@ def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState
         length: int32 ``[1]`` the prompt length; limit: int32 ``[]`` the request's token limit; stops: int32
             ``[S]`` its stop ids (``-1`` padded); retrieve: bool ``[]`` run DiffSpec's retrieval after prefill
             now; depth, floor: int32 ``[]`` the adaptive chain depth to start at (ignored without it); context:
-            int32 ``[1, capacity]`` the slot's whole context, zero padded, for the plan's
-            :class:`~diffspec_jax.engine.drafter.Drafter` (``None`` without one).
+            int32 ``[1, capacity]`` the slot's whole context, zero padded, for the plan's drafter when it reads
+            it (:attr:`~diffspec_jax.engine.state.Plan.drafter_context`; else ``None``).
     Returns:
         ``(state, loop, first token int32 [], anchors int32 [1, 1, A])``: the retrieval's anchors as this
         tensor-parallel rank selected them (zeros without DiffSpec), stacked over the ranks by the program's out
