@@ -184,11 +184,12 @@ class InFront(Drafter):
         mine, theirs = state.drafter
         f = self.front.propose(plan, tparams, dparams, state.replace(drafter=mine), active, key, depth)
         b = self.behind.propose(plan, tparams, dparams, f.state.replace(drafter=theirs), active, key, depth)
-        drafts = jnp.where(f.found[:, None], f.drafts, b.drafts)
+        found = jnp.ones_like(state.length, bool) if f.found is None else f.found
+        drafts = jnp.where(found[:, None], f.drafts, b.drafts)
         q = None
         if f.q is not None or b.q is not None:  # a one-hot q where one of the two drafts deterministically
             one_hot = lambda p: jax.nn.one_hot(p.drafts, plan.target.vocab_size, dtype=jnp.float32)  # noqa: E731
-            q = jnp.where(f.found[:, None, None], one_hot(f) if f.q is None else f.q,
+            q = jnp.where(found[:, None, None], one_hot(f) if f.q is None else f.q,
                           one_hot(b) if b.q is None else b.q)
         state = b.state.replace(drafter=(f.state.drafter, b.state.drafter))
         return Proposal(drafts, q, state, b.n, b.window)
