@@ -331,8 +331,7 @@ class _Request:
 
     prompts: list[np.ndarray]
     draft: Any  # a loaded draft or None
-    self_draft: bool
-    drafter: Any
+    drafter: Any  # the plan's Drafter (engine.drafting), None: target-only
     spec: SpecConfig
     sampling: SamplingConfig
     max_new_tokens: int
@@ -341,7 +340,6 @@ class _Request:
     max_cache_len: int | None
     prefill_chunk: int | None
     block_cycles: int | None
-    proposer: Callable | None
     mesh: Mesh | None
     session: Session
     stop: tuple[str, ...]
@@ -396,7 +394,7 @@ def _validate(target: TargetModel, draft, prompts, *, max_new_tokens, spec, samp
     if not isinstance(session, Session):
         raise ConfigError(f"session must be a diffspec_jax.engine.Session, got {type(session).__name__}")
     choice = split_draft(draft)
-    if (choice.self_draft or choice.drafter is not None) and proposer is not None:
+    if choice.drafter is not None and proposer is not None:
         raise ConfigError("a custom proposer drafts alone; it cannot be combined with draft='self' or a named "
                           "drafter")
     prompts = validate(target, choice.model, prompts, max_new_tokens, spec, sampling, block_cycles)
@@ -404,15 +402,15 @@ def _validate(target: TargetModel, draft, prompts, *, max_new_tokens, spec, samp
         target.config.vocab_size, seed=seed, stop_token_ids=stop_token_ids, max_cache_len=max_cache_len,
         prefill_chunk=prefill_chunk, on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh)
     stop = check_text_args(stop, tokenizer, on_text, skip_special_tokens)
-    spec, drafter = draft_spec(choice, spec, target.config)
+    spec, drafter = draft_spec(choice, spec, target.config, proposer)
     if proposer is not None and spec.tree:
         raise ConfigError("a custom proposer drafts chains; it cannot be combined with diffspec_verification_mode="
                           "'tree'")
     stops = set(target.config.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    return _Request(prompts=prompts, draft=choice.model, self_draft=choice.self_draft, drafter=drafter, spec=spec,
+    return _Request(prompts=prompts, draft=choice.model, drafter=drafter, spec=spec,
                     sampling=sampling, max_new_tokens=int(max_new_tokens), seed=seed, stops=stops,
                     max_cache_len=max_cache_len, prefill_chunk=prefill_chunk, block_cycles=block_cycles,
-                    proposer=proposer, mesh=mesh, session=session, stop=stop, tokenizer=tokenizer,
+                    mesh=mesh, session=session, stop=stop, tokenizer=tokenizer,
                     skip_special_tokens=skip_special_tokens, on_tokens=on_tokens, on_text=on_text,
                     progress=progress)
 
@@ -422,8 +420,7 @@ def _plan(target: TargetModel, req: _Request, page_size: int | None, prefix_cach
     ``max_new_tokens`` needs, :func:`~diffspec_jax.engine.rules.positions_needed`, bucketed; or ``max_cache_len``)
     and paging."""
     tc = target.config
-    plan = make_plan(target, req.draft, req.spec, req.sampling, 0, mesh=req.mesh, proposer=req.proposer,
-                     self_draft=req.self_draft, drafter=req.drafter)
+    plan = make_plan(target, req.draft, req.spec, req.sampling, 0, mesh=req.mesh, drafter=req.drafter)
     longest = max(len(p) for p in req.prompts)
     need = positions_needed(plan, longest + req.max_new_tokens)
     if longest + req.max_new_tokens > tc.max_position_embeddings:
@@ -468,9 +465,8 @@ def _prepare(target: TargetModel, req: _Request, plan: Plan, prefix_cache: Prefi
                                  draft_dtype(target, dparams), memory.device_memory(device))
     memory.check_fits(mem, max_new_tokens=req.max_new_tokens)
     cycles = cycles_per_block(plan, req.block_cycles)
-    drafting = req.draft is not None or req.self_draft
     stats = GenerateStats(num_sequences=real, num_speculative_tokens=plan.k,
-                          draft_context_policy=plan.spec.context.policy if drafting else None,
+                          draft_context_policy=plan.spec.context.policy if plan.model_draft else None,
                           verification_mode="tree" if plan.tree_mode else "linear" if plan.speculative else None,
                           block_cycles=cycles, cache_capacity=plan.capacity, memory=mem.to_dict())
     bar = tqdm(total=real * req.max_new_tokens, unit="tok", leave=False) if req.progress else None
@@ -515,7 +511,7 @@ def _prefill(call: _Call) -> DecodeState:
         state, acc = chunk(clock, call.tparams, call.dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
                            jnp.asarray(tokens[:, s + 1:s + width + 1]), jnp.asarray(starts + s), jl)
     context = None  # a drafter's view of the prompts (a prefix cache's reused pages hold no tokens)
-    if plan.drafter is not None:
+    if plan.drafter_context:
         context = _put(plan, pad_prompts(call.prompts, plan.capacity), _rows_spec(plan, None))
     state, first = progs.start_decode(clock, state, acc, jl, context)
     first = np.asarray(first)

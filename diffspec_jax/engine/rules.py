@@ -71,15 +71,14 @@ def validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: Spe
             raise ConfigError(f"vocabulary mismatch: draft vocab_size {draft.config.vocab_size} vs target "
                               f"{target.config.vocab_size}")
         draft.config.resolve_aux_layers(target.config)
-        if spec.context.policy == "diffspec":
-            spec.context.layer_for(target.config)
+        spec.context.check_target(target.config)
         if spec.tree:
             ensure_tree_supported(target.config)
     return out
 
 
 def make_plan(target: TargetModel, draft, spec: SpecConfig, sampling: SamplingConfig, capacity: int, *, mesh=None,
-              proposer=None, self_draft: bool = False, drafter=None, paging=None,
+              drafter=None, paging=None,
               row_sampling: bool = False) -> Plan:
     """The :class:`Plan` of a run (``draft``: a loaded draft or ``None``). The target's EOS ids are left out: stop
     ids are an input of the device loop (:func:`stop_ids`), not part of its programs, so targets that differ only
@@ -88,9 +87,8 @@ def make_plan(target: TargetModel, draft, spec: SpecConfig, sampling: SamplingCo
     draft_tp = sharding.draft_tp_for(mesh, spec.draft_tensor_parallel_size, draft is not None)
     return Plan(target=dataclasses.replace(target.config, eos_token_ids=()),
                 draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
-                aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
-                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft, paging=paging, row_sampling=row_sampling,
-                drafter=drafter)
+                aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, mesh=mesh,
+                draft_tp=draft_tp, paging=paging, row_sampling=row_sampling, drafter=drafter)
 
 
 def positions_needed(plan: Plan, tokens: int) -> int:

@@ -66,7 +66,6 @@ from diffspec_jax.engine.drafter import draft_spec, split_draft
 from diffspec_jax.engine.rules import (
     block_cycles, draft_dtype, first_chunk_program, make_plan, positions_needed, replay, retrieves_after_prefill,
     stop_ids, validate)
-from diffspec_jax.engine.self_draft import SELF
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
 from diffspec_jax.mesh import make_mesh
@@ -321,8 +320,8 @@ class SlotEngine:
         self.target, self.draft, self.spec, self.config = target, draft, spec, config
         tp = config.tensor_parallel_size
         self.mesh = make_mesh(tp) if tp > 1 else None
-        plan = make_plan(target, draft, spec, SamplingConfig(), 0, mesh=self.mesh, self_draft=self.self_draft,
-                         drafter=self.drafter, row_sampling=True)
+        plan = make_plan(target, draft, spec, SamplingConfig(), 0, mesh=self.mesh, drafter=self.drafter,
+                         row_sampling=True)
         self.max_model_len = config.max_model_len or min(tc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if self.max_model_len > tc.max_position_embeddings:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the target's context window "
@@ -568,13 +567,7 @@ class SlotEngine:
     def policy(self) -> str:
         """The drafting policy, as metrics label it: ``target-only``, the draft context policy, ``self-`` and the
         self-draft's policy, or a drafter's name (``ngram``; ``ngram+`` before a draft's policy it is in front of)."""
-        if self.self_draft:
-            name = f"{SELF}-{self.spec.context.policy}"
-        elif self.draft is not None:
-            name = self.spec.context.policy
-        else:
-            return self.drafter.name if self.drafter is not None else "target-only"
-        return f"{self.drafter.name}+{name}" if self.drafter is not None else name
+        return self.drafter.label(self.spec) if self.drafter is not None else "target-only"
 
     # ----------------------------------------------------------------------------------------- engine thread
     def _bump(self, key: str, n: int = 1) -> None:
@@ -764,7 +757,7 @@ class SlotEngine:
     def _drafter_context(self, req: Request) -> np.ndarray | None:
         """The slot's whole context, zero padded to the capacity, for the plan's drafter (``None`` without one): a
         prefix cache's reused pages hold no tokens."""
-        if self.drafter is None:
+        if not self.plan.drafter_context:
             return None
         ids = self._context(req)
         out = np.zeros((1, self.capacity), np.int32)
