@@ -16,6 +16,7 @@ from conftest import random_prompts
 from diffspec_jax import SamplingConfig, SpecConfig, engine, generate
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.engine.controllers import ShapeControl
+from diffspec_jax.engine.drafter import DRAFTERS
 from diffspec_jax.retrieval_control import RetrievalBook, RetrievalControl
 from diffspec_jax.utils import CompileCounter
 
@@ -192,7 +193,7 @@ def test_replay_books_what_the_record_says(targets):
     report."""
     spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", num_speculative_tokens=3,
                                      diffspec_adaptive_profile=True))
-    plan = engine.make_plan(targets["llama"], None, spec, SamplingConfig(), 1024, self_draft=True)
+    plan = engine.make_plan(targets["llama"], None, spec, SamplingConfig(), 1024, drafter=DRAFTERS[engine.SELF])
     c, b, a = 3, 2, spec.max_chunks - 1
     i32 = lambda *rows: np.array(rows, np.int32)  # noqa: E731
     anchors = np.full((1, c, b, a), -1, np.int32)
