@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from diffspec_jax import sharding
 from diffspec_jax.cache import round_capacity
-from diffspec_jax.config import SamplingConfig, SpecConfig
+from diffspec_jax.config import SamplingConfig, SpecConfig, check_kv_cache_dtype
 from diffspec_jax.engine import memory
 from diffspec_jax.engine.compile import _CompileClock, capacity_bucket, enable_compilation_cache, param_spec_key
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
@@ -292,7 +292,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
              block_cycles: int | None = None, stop: Sequence[str] | str | None = None, tokenizer: Any = None,
              skip_special_tokens: bool = True,
              on_text: Callable[[int, str], None] | None = None, session: Session | None = None,
-             page_size: int | None = None, prefix_cache: PrefixCache | None = None) -> GenerateResult:
+             page_size: int | None = None, prefix_cache: PrefixCache | None = None,
+             kv_cache_dtype: str = "auto") -> GenerateResult:
     """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
 
     Args:
@@ -345,6 +346,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         prefix_cache: a :class:`~diffspec_jax.engine.prefix_cache.PrefixCache` (paged, its page size): each prompt
             reuses the full pages that earlier calls with it computed for the same leading tokens and is prefilled
             from there; this call's pages stay in it (``stats.cached_tokens`` says how many tokens each reused).
+        kv_cache_dtype: the target's K/V storage, ``"auto"`` (default: the model's dtype) or ``"fp8"``
+            (``float8_e4m3fn`` rows with a float32 scale per token and KV head, dequantized inside attention:
+            :mod:`diffspec_jax.kv_quant`); speculation stays lossless relative to the target run on the same cache.
     Returns:
         :class:`GenerateResult` with ``.tokens``, ``.stats``, ``.finish_reasons`` and ``.texts``.
     Raises:
@@ -405,7 +409,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                 draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
                 aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
-                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft, paging=paging, drafter=drafter)
+                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft, paging=paging, drafter=drafter,
+                kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
     enable_compilation_cache()
     stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
     tparams, dparams = session.prepare_params(target, draft, mesh, draft_tp)

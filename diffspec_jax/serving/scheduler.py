@@ -58,7 +58,7 @@ import jax
 import numpy as np
 
 from diffspec_jax.cache import round_capacity
-from diffspec_jax.config import SamplingConfig, SpecConfig
+from diffspec_jax.config import SamplingConfig, SpecConfig, check_kv_cache_dtype
 from diffspec_jax import sharding
 from diffspec_jax.engine.compile import _CompileClock, enable_compilation_cache, param_spec_key
 from diffspec_jax.engine import memory
@@ -135,6 +135,9 @@ class EngineConfig:
             first this many devices, :func:`diffspec_jax.make_mesh`), as ``generate(..., mesh=make_mesh(tp))``: the
             programs run per shard, the K/V pool is sharded by KV heads, the draft is sharded like the target or
             replicated as ``SpecConfig.draft_tensor_parallel_size`` says [1: one device].
+        kv_cache_dtype: the target's K/V storage, ``"auto"`` (the model's dtype) or ``"fp8"`` (8-bit rows with a
+            float32 scale per token and KV head, :mod:`diffspec_jax.kv_quant`: a page takes about half the bytes,
+            so the pool holds about 1.9x the tokens) ["auto"].
     """
 
     max_num_seqs: int = 8
@@ -149,6 +152,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_int(self.max_num_seqs, "max_num_seqs", min=1, max=4096)
@@ -163,6 +167,7 @@ class EngineConfig:
         check_real(self.kv_cache_memory_fraction, "kv_cache_memory_fraction", min=0.0, max=1.0, min_open=True)
         check_bool(self.prefix_caching, "prefix_caching")
         check_int(self.tensor_parallel_size, "tensor_parallel_size", min=1)
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -342,7 +347,7 @@ class SlotEngine:
                     draft=draft.config if draft is not None else None, spec=spec, sampling=SamplingConfig(),
                     aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, paging=(1, psize),
                     self_draft=self.self_draft, mesh=self.mesh, draft_tp=draft_tp, row_sampling=True,
-                    drafter=self.drafter)
+                    drafter=self.drafter, kv_cache_dtype=config.kv_cache_dtype)
         # the params laid out on the mesh (refusing heads that do not divide), before the pool is sized beside them
         self.tparams, self.dparams = session.prepare_params(target, draft, self.mesh, draft_tp)
         ddtype = self.dparams["fc"].dtype if self.dparams else target.dtype
