@@ -443,13 +443,17 @@ class SlotEngine:
 
     # ------------------------------------------------------------------------------------------- public API
     def pool_summary(self) -> str:
-        """One line on the K/V pool: pages, tokens, how many max-length requests fit, prefix caching."""
+        """One line on the K/V pool: its storage, pages, tokens, bytes a page, how many max-length requests fit,
+        prefix caching."""
         tokens = self.num_pages * self.page_size
         fit = self.num_pages // -(-(self.max_model_len + self.k_block + 1) // self.page_size)
         caching = "on" if self.prefix_caching else ("off" if not self.config.prefix_caching else
                                                     "off (this model's state is not all in pages)")
-        return (f"K/V pool {self.num_pages} pages x {self.page_size} tokens = {tokens} tokens, {fit} request(s) of "
-                f"max_model_len at once; prefix caching {caching}")
+        kind = "fp8 (e4m3 + a float32 scale per token and KV head)" if self.plan.kv_cache_dtype == "fp8" else \
+            str(np.dtype(self.target.dtype))
+        return (f"K/V pool ({kind}) {self.num_pages} pages x {self.page_size} tokens = {tokens} tokens, "
+                f"{self.page_bytes / 1024:.1f} KiB a page per device, {fit} request(s) of max_model_len at once; "
+                f"prefix caching {caching}")
 
     def parallel_summary(self) -> str:
         """Where the programs run: ``one device``, or the tensor-parallel mesh and the draft's layout on it."""
