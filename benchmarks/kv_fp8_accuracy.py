@@ -36,7 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# the repository root first, and not this directory: benchmarks/kernels.py would shadow the `kernels` package that
+# transformers probes for
+sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path
+                                                           if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from benchmarks.common import add_output_arguments, claim_outputs, environment, write_json  # noqa: E402
 from benchmarks.paired import build_prompts, paired_difference  # noqa: E402
