@@ -38,8 +38,8 @@ import numpy as np
 
 # the repository root first, and not this directory: benchmarks/kernels.py would shadow the `kernels` package that
 # transformers probes for
-sys.path[:] = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path
-                                                           if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 from benchmarks.common import add_output_arguments, claim_outputs, environment, write_json  # noqa: E402
 from benchmarks.paired import build_prompts, paired_difference  # noqa: E402

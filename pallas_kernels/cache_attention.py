@@ -247,8 +247,9 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
         raise ValueError(f"cache_attention: q {q.shape} does not fit k {k.shape} / v {v.shape}")
     fp8 = k_scale is not None
     if fp8 and (v_scale is None or k_scale.shape != k.shape[:3] + (1,) or v_scale.shape != k_scale.shape):
+        got = tuple(None if x is None else x.shape for x in (k_scale, v_scale))
         raise ValueError(f"cache_attention: 8-bit k {k.shape} needs k_scale and v_scale of shape {k.shape[:3] + (1,)}, "
-                         f"got {None if k_scale is None else k_scale.shape} / {None if v_scale is None else v_scale.shape}")
+                         f"got {got}")
     group = hq // hkv
     lengths = lengths.astype(jnp.int32)
     if causal and t == 1 and not deterministic:  # a decode step: its one query sees rows < length + 1, the plain

@@ -125,19 +125,18 @@ def test_fp8_cache_logits_against_the_float32_cache(targets, hf_models):
     lengths = [70, 100]
     ref = hf_logits(hf_models["llama"], seqs)
     got = {}
-    for kernels in ("reference", "pallas"):
-        for kind in ("auto", "fp8"):
-            with use_kernels(kernels):
-                cache = tgt.create_cache(model, 2, 128, kv_cache_dtype=kind)
-                last, cache = tgt.prefill(model, cache, [list(s[:n]) for s, n in zip(seqs, lengths)], chunk=64)
-                rows = [np.asarray(last)]
-                start = np.array(lengths)
-                for n in (1, 5):
-                    lg, cache = tgt.decode(model, cache, np.stack([seqs[i, start[i]:start[i] + n] for i in range(2)]),
-                                           start)
-                    rows.append(np.asarray(lg).reshape(2, n, -1))
-                    start = start + n
-            got[kernels, kind] = np.concatenate([rows[0][:, None]] + rows[1:], axis=1)  # [B, 7, V]
+    for kernels, kind in (("reference", "auto"), ("reference", "fp8"), ("pallas", "fp8")):
+        with use_kernels(kernels):
+            cache = tgt.create_cache(model, 2, 128, kv_cache_dtype=kind)
+            last, cache = tgt.prefill(model, cache, [list(s[:n]) for s, n in zip(seqs, lengths)], chunk=64)
+            rows = [np.asarray(last)[:, None]]
+            start = np.array(lengths)
+            for n in (1, 5):
+                lg, cache = tgt.decode(model, cache, np.stack([seqs[i, start[i]:start[i] + n] for i in range(2)]),
+                                       start)
+                rows.append(np.asarray(lg).reshape(2, n, -1))
+                start = start + n
+        got[kernels, kind] = np.concatenate(rows, axis=1)  # [B, 7, V]
     want = np.stack([ref[i, lengths[i] - 1:lengths[i] + 6] for i in range(2)])
     err = {key: (float(np.abs(v - want).max()), rel_err(v, want)) for key, v in got.items()}
     print("max abs / norm-relative logit error against transformers:", err)
@@ -206,3 +205,52 @@ def test_kv_cache_dtype_setting_and_page_bytes(targets, capsys):
     per_row = tc.num_hidden_layers * 2 * tc.num_key_value_heads * 64
     assert (bf16, fp8) == (per_row * 256, per_row * 132)
     assert bf16 / fp8 > 1.9
+
+
+def test_server_engine_on_a_mesh_with_an_fp8_pool(targets, drafts):
+    """The slot engine with kv_cache_dtype="fp8" at tp 2 with a replicated draft: its pool's pages are counted at
+    their 8-bit size (the start-up line says so), the pool is sharded by KV heads (values and scales alike), and
+    concurrent greedy requests, two of them reusing a document's pages from the prefix cache, return exactly what
+    generate() returns for each alone on the fp8 cache."""
+    import queue
+
+    import diffspec_jax as dj
+    from diffspec_jax.serving.scheduler import EngineConfig, Request, SamplingParams, SlotEngine
+
+    model, draft = targets["llama"], drafts["llama"]
+    spec = dj.SpecConfig.from_flat(dict(num_speculative_tokens=3, draft_context_policy="diffspec", diffspec_chunk_size=8,
+                                        diffspec_token_budget=40, draft_tensor_parallel_size=1))
+    doc = random_prompts(51, (40,))[0]
+    asks = [(doc, 6), (doc + [5, 6, 7], 9), (doc + [9], 7), (random_prompts(52, (23,))[0], 11)]
+    alone = [dj.generate(model, draft, [p], max_new_tokens=n, spec=spec, stop_token_ids=(), max_cache_len=128,
+                         kv_cache_dtype="fp8").tokens[0] for p, n in asks]
+    config = dict(max_num_seqs=4, max_model_len=96, block_size=16, prefill_chunk=32, tensor_parallel_size=2)
+    engine = SlotEngine(model, draft, spec, EngineConfig(kv_cache_dtype="fp8", **config), eos_token_ids=())
+    tc = model.config
+    local_heads = tc.num_key_value_heads // 2
+    # a page: 16 tokens of 8-bit K and V rows and their float32 scales in every layer (this device's KV heads), and
+    # the replicated draft's store rows in float32
+    assert engine.page_bytes == 16 * (tc.num_hidden_layers * 2 * local_heads * (tc.head_dim + 4)
+                                      + 2 * 4 * draft.config.num_key_value_heads * draft.config.head_dim)
+    assert "K/V pool (fp8" in engine.pool_summary()
+    engine.start()
+    try:
+        pool = engine._state.target_cache.k[0]
+        assert pool.values.dtype == jnp.float8_e4m3fn and len(pool.values.addressable_shards) == 2
+        assert pool.scale.addressable_shards[0].data.shape[1] == local_heads
+        finished = queue.Queue()
+
+        def run(batch):
+            reqs = [Request(p, SamplingParams(max_tokens=n, ignore_eos=True),
+                            lambda e: finished.put(e.kind) if e.kind in ("finish", "error") else None) for p, n in batch]
+            for r in reqs:
+                engine.submit(r)
+            assert [finished.get(timeout=120) for _ in reqs] == ["finish"] * len(reqs)
+            return reqs
+
+        first = run(asks[:1])
+        rest = run(asks[1:])
+        assert [r.tokens for r in first + rest] == alone
+        assert [r.cached_tokens for r in rest[:2]] == [32, 32]
+    finally:
+        engine.stop()

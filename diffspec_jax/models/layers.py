@@ -146,7 +146,8 @@ def attention_prefix(q: jax.Array, k: jax.Array | Fp8Rows, v: jax.Array | Fp8Row
     :func:`pallas_kernels.cache_attention.cache_attention`).
 
     Args:
-        q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]`` (or 8-bit rows); lengths: int32 ``[B]`` in ``0..S``: every query of
+        q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]`` (or 8-bit rows); lengths: int32 ``[B]`` in ``0..S``: every
+            query of
             sequence b sees rows ``0 .. lengths[b] - 1`` (the committed prefix).
         causal: query t also sees rows ``lengths[b] .. lengths[b] + t`` (a chain block already written there).
     Returns:
@@ -182,8 +183,8 @@ def causal_mask(q_pos: jax.Array, num_keys: int) -> jax.Array:
     return jnp.arange(num_keys)[None, None, :] <= q_pos[:, :, None]
 
 
-def attention_tiled(q: jax.Array, k: jax.Array | Fp8Rows, v: jax.Array | Fp8Rows, q_pos: jax.Array, scale: float, tile: int, *,
-                    heads_first: bool = False) -> tuple[jax.Array, jax.Array]:
+def attention_tiled(q: jax.Array, k: jax.Array | Fp8Rows, v: jax.Array | Fp8Rows, q_pos: jax.Array, scale: float,
+                    tile: int, *, heads_first: bool = False) -> tuple[jax.Array, jax.Array]:
     """Causal GQA over a position-indexed cache, key tile by key tile (online softmax).
 
     Never materialises more than ``[B, Hq, T, tile]`` scores, and visits only the tiles up to the largest
