@@ -179,7 +179,7 @@ def test_kv_cache_dtype_setting_and_page_bytes(targets, capsys):
     from benchmarks.long_context import shapes
     from diffspec_jax import SamplingConfig, SpecConfig, generate
     from diffspec_jax import target as tgt
-    from diffspec_jax.engine.memory import page_bytes
+    from diffspec_jax.engine.memory import page_bytes, prefill_token_bytes
     from diffspec_jax.engine.state import Plan
     from diffspec_jax.generate import main
     from diffspec_jax.serving.scheduler import EngineConfig
@@ -205,6 +205,7 @@ def test_kv_cache_dtype_setting_and_page_bytes(targets, capsys):
     per_row = tc.num_hidden_layers * 2 * tc.num_key_value_heads * 64
     assert (bf16, fp8) == (per_row * 256, per_row * 132)
     assert bf16 / fp8 > 1.9
+    assert prefill_token_bytes(tc, fp8=True) > prefill_token_bytes(tc)  # the fp8 prefix kernel's partials count
 
 
 def test_server_engine_on_a_mesh_with_an_fp8_pool(targets, drafts):
