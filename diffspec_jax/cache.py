@@ -9,6 +9,10 @@ read under a causal position mask, so a buffer never needs clearing: rows beyond
 hold stale values (rejected drafts, prompt padding) that are overwritten before any query can see them.
 Separate per-layer buffers let XLA update each in place when the cache is donated to ``jit``.
 
+With ``kv_cache_dtype="fp8"`` each K/V buffer is an :class:`~diffspec_jax.kv_quant.Fp8Rows` (e4m3 rows and a float32
+scale per row, of the same leading shape): writes quantize the rows they are given, and every row operation here
+(scatter, page gather, tree move) moves values and scales alike.
+
 Hybrid targets (Qwen3.5: Gated DeltaNet + gated attention) use :class:`HybridCache`: K/V buffers for the
 full-attention layers only, and for each DeltaNet layer its conv state (the last ``kernel - 1`` pre-conv inputs)
 and its recurrent state. Those states are *not* position-indexed: a token that should not count (prompt padding,
