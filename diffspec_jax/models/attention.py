@@ -248,10 +248,9 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
         block = attention_dense(q, k, v, block_mask, scale)
         out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
         return (out.astype(q.dtype), lse), kb, vb
-    if is_fp8(kb):  # the chunk's own quantized rows (block-sized) for the flash kernel, the prefix as stored
-        block = flash_causal(q, dequantize(k, q.dtype), dequantize(v, q.dtype), scale)
-    else:
-        block = flash_causal(q, k.astype(q.dtype), v.astype(q.dtype), scale)
+    # an 8-bit chunk's own rows as stored, dequantized for the flash kernel (a chunk-sized temporary)
+    own = (dequantize(k, q.dtype), dequantize(v, q.dtype)) if is_fp8(kb) else (k.astype(q.dtype), v.astype(q.dtype))
+    block = flash_causal(q, *own, scale)
     if not prefix:  # a prompt's first chunk: nothing before it, nothing to merge
         return (block[0].astype(q.dtype), block[1]), kb, vb
     if is_fp8(kb):  # cuDNN and splash read full-precision operands: the prefix by the kernel, over the 8-bit rows

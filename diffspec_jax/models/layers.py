@@ -147,8 +147,7 @@ def attention_prefix(q: jax.Array, k: jax.Array | Fp8Rows, v: jax.Array | Fp8Row
 
     Args:
         q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]`` (or 8-bit rows); lengths: int32 ``[B]`` in ``0..S``: every
-            query of
-            sequence b sees rows ``0 .. lengths[b] - 1`` (the committed prefix).
+            query of sequence b sees rows ``0 .. lengths[b] - 1`` (the committed prefix).
         causal: query t also sees rows ``lengths[b] .. lengths[b] + t`` (a chain block already written there).
     Returns:
         ``(out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32)``. A sequence that sees nothing
