@@ -449,9 +449,9 @@ class SlotEngine:
         fit = self.num_pages // -(-(self.max_model_len + self.k_block + 1) // self.page_size)
         caching = "on" if self.prefix_caching else ("off" if not self.config.prefix_caching else
                                                     "off (this model's state is not all in pages)")
-        kind = "fp8 (e4m3 + a float32 scale per token and KV head)" if self.plan.kv_cache_dtype == "fp8" else \
+        kind = "fp8: e4m3 rows, a float32 scale per token and KV head" if self.plan.kv_cache_dtype == "fp8" else \
             str(np.dtype(self.target.dtype))
-        return (f"K/V pool ({kind}) {self.num_pages} pages x {self.page_size} tokens = {tokens} tokens, "
+        return (f"K/V pool ({kind}): {self.num_pages} pages x {self.page_size} tokens = {tokens} tokens, "
                 f"{self.page_bytes / 1024:.1f} KiB a page per device, {fit} request(s) of max_model_len at once; "
                 f"prefix caching {caching}")
 
