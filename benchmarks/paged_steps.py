@@ -56,8 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import long_context as lc
-from benchmarks.common import (add_output_arguments, claim_outputs, environment, matmul_peak, reference_line,
-                               save_figure, write_json)
+from benchmarks.common import add_output_arguments, claim_outputs, environment, matmul_peak, save_figure, write_json
 
 #: issue 37: paged steps and prefill within this factor of the contiguous ones
 TARGET_RATIO = 1.05

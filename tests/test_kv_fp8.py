@@ -2,7 +2,6 @@
 dense NumPy attention over the dequantized rows, a transformers-built checkpoint's logits on an fp8 cache against
 the float32 cache, losslessness of speculation relative to the fp8-cache target, and the setting's validation."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
