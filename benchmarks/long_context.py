@@ -199,6 +199,7 @@ def device_loop(step, carry, consts, *, iters: int, repeats: int, donate: bool):
 def _plans(tc, dcfg, ctx, args):
     from diffspec_jax import engine
     from diffspec_jax.config import SamplingConfig, SpecConfig
+    from diffspec_jax.engine.propose import Eagle3Drafter
 
     cap = ctx + 64 * (args.k + 1) + 64
     plans = {}
@@ -207,7 +208,7 @@ def _plans(tc, dcfg, ctx, args):
                                          diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
                                          diffspec_retrieval_interval=args.interval))
         plans[policy] = engine.Plan(target=tc, draft=dcfg, spec=spec, sampling=SamplingConfig(),
-                                    aux_layers=dcfg.aux_layer_ids, capacity=cap)
+                                    aux_layers=dcfg.aux_layer_ids, capacity=cap, drafter=Eagle3Drafter())
     return plans
 
 
@@ -392,7 +393,7 @@ def self_draft_case(target, ctx, batch, dec_s, args) -> dict:
     the target's decode step ``dec_s``."""
     from diffspec_jax import engine, working_set
     from diffspec_jax.config import SamplingConfig, SpecConfig
-    from diffspec_jax.engine.self_draft import self_draft_spec, self_propose
+    from diffspec_jax.engine.self_draft import SelfDrafter, self_draft_spec, self_propose
     from diffspec_jax.models import llama
 
     tc, k, t = target.config, args.k, args
@@ -405,7 +406,7 @@ def self_draft_case(target, ctx, batch, dec_s, args) -> dict:
                                                          diffspec_chunk_size=args.chunk, diffspec_token_budget=budget,
                                                          diffspec_retrieval_interval=args.interval)), tc)
         plan = engine.Plan(target=tc, draft=None, spec=spec, sampling=SamplingConfig(), aux_layers=(),
-                           capacity=ctx + 64 * (k + 1) + 64, self_draft=True)
+                           capacity=ctx + 64 * (k + 1) + 64, drafter=SelfDrafter())
         fns, stats = engine.compiled(plan), {}
         holder = {"s": _filled_state(plan, batch, ctx)}
         for _ in range(2):  # a verification fills the scoring query and LSE; then a selection, and its rebuild

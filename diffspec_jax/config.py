@@ -810,7 +810,7 @@ class SamplingConfig:
 # ``speculative_config`` names (``draft_context_policy``, ``diffspec_*``) are read by SpecConfig.from_flat, and
 # error messages name every field by that flat key (FLAT_KEYS), which is also what the CLIs' flags map to.
 
-DRAFT_CONTEXT_POLICIES = ("full", "recent", "diffspec")
+DRAFT_CONTEXT_POLICIES = ("full", "recent", "diffspec")  # (Full.policy, Recent.policy, DiffSpec.policy)
 DIFFSPEC_SCORERS = ("attention", "salience")
 DRAFT_SAMPLING = ("argmax", "sample")
 VERIFICATION_MODES = ("auto", "linear", "tree")
@@ -934,14 +934,52 @@ class _Part:
 
 # --- what the draft attends to (draft_context_policy)
 @dataclass(frozen=True)
-class Full(_Part):
+class _Context(_Part):
+    """A draft-context policy (``draft_context_policy``: :class:`Full`, :class:`Recent` or :class:`DiffSpec`).
+
+    Each policy answers for itself what the engine needs of it, so no other module tests its name or type:
+    :attr:`working_cache` (the draft reads a fixed-capacity working cache: an EAGLE-3 draft keeps a store of
+    entries beside it, self-drafting a working set; else the draft attends to its whole cache), :attr:`retrieves`
+    (DiffSpec's chunk scoring and selection run), :attr:`sink` (chunk 0 is always kept), :meth:`history_slots` (the
+    capacity rule: the longest history the working cache holds), :meth:`with_sink` and :meth:`check_target`."""
+
+    #: the ``draft_context_policy`` value that selects it
+    policy: ClassVar[str] = ""
+    #: the draft reads a fixed-capacity working cache (else: its whole cache, at absolute positions)
+    working_cache: ClassVar[bool] = False
+    #: chunks are scored and selected (DiffSpec's retrieval) for the working cache's anchors
+    retrieves: ClassVar[bool] = False
+    #: chunk summaries are kept (DiffSpec's salience scorer or redundancy discount)
+    needs_summaries: ClassVar[bool] = False
+
+    @property
+    def sink(self) -> bool:
+        """Chunk 0 is always kept in the working cache."""
+        return False
+
+    def history_slots(self, k: int) -> int:
+        """The longest history (positions besides the root and K chain entries) the working cache holds (0: no
+        working cache)."""
+        return 0
+
+    def with_sink(self) -> _Context:
+        """This policy with chunk 0 always kept, where it has such a setting (self-drafting's working set always
+        holds it)."""
+        return self
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Check what the policy reads of ``target`` (DiffSpec: its scoring layer); raises ConfigError."""
+
+
+@dataclass(frozen=True)
+class Full(_Context):
     """The draft attends to its whole store (plain EAGLE-3); ``draft_context_policy="full"``."""
 
     policy: ClassVar[str] = "full"
 
 
 @dataclass(frozen=True)
-class _WorkingCache(_Part):
+class _WorkingCache(_Context):
     """A fixed-capacity working cache of ``token_budget`` positions (B) filled in chunks of ``chunk_size`` (C).
 
     Attributes:
@@ -954,6 +992,7 @@ class _WorkingCache(_Part):
     token_budget: int = 2048
     chunk_size: int = 64
     FLAT: ClassVar[dict[str, str]] = {"token_budget": "diffspec_token_budget", "chunk_size": "diffspec_chunk_size"}
+    working_cache: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -973,6 +1012,10 @@ class Recent(_WorkingCache):
     fields of :class:`_WorkingCache`)."""
 
     policy: ClassVar[str] = "recent"
+
+    def history_slots(self, k: int) -> int:
+        """``B - K - 1``: every position of the working cache besides the root and the chain."""
+        return self.token_budget - k - 1
 
 
 @dataclass(frozen=True)
@@ -999,6 +1042,7 @@ class DiffSpec(_WorkingCache):
     redundancy_weight: float = 0.0
     scoring_layer: int | None = None
     policy: ClassVar[str] = "diffspec"
+    retrieves: ClassVar[bool] = True
     FLAT: ClassVar[dict[str, str]] = {
         **_WorkingCache.FLAT, "retrieval_interval": "diffspec_retrieval_interval",
         "keep_sink_chunk": "diffspec_keep_sink_chunk", "retrieve_after_prefill": "diffspec_retrieve_after_prefill",
@@ -1009,6 +1053,20 @@ class DiffSpec(_WorkingCache):
     def needs_summaries(self) -> bool:
         """Chunk key summaries are kept (the salience scorer, or a redundancy discount)."""
         return self.scorer == "salience" or self.redundancy_weight > 0
+
+    @property
+    def sink(self) -> bool:
+        return self.keep_sink_chunk
+
+    def history_slots(self, k: int) -> int:
+        """Hb: whole chunks only (anchors are chunks)."""
+        return self.history_budget(k)
+
+    def with_sink(self) -> DiffSpec:
+        return dataclasses.replace(self, keep_sink_chunk=True)
+
+    def check_target(self, target: ModelConfig) -> None:
+        self.layer_for(target)
 
     def layer_for(self, target: ModelConfig) -> int:
         """The scoring layer for ``target`` (default: its last full-attention layer), checked against it."""
@@ -1023,7 +1081,7 @@ class DiffSpec(_WorkingCache):
         return int(layer)
 
 
-CONTEXTS: dict[str, type[_Part]] = {"full": Full, "recent": Recent, "diffspec": DiffSpec}
+CONTEXTS: dict[str, type[_Context]] = {cls.policy: cls for cls in (Full, Recent, DiffSpec)}
 
 
 # --- how drafts are verified (diffspec_verification_mode)
@@ -1182,7 +1240,7 @@ class SpecConfig:
         for key in ("num_speculative_tokens", "draft_sampling", "draft_tensor_parallel_size", "kernels",
                     "deterministic"):
             FIELD_CHECKS[key](getattr(self, key), key)
-        if not isinstance(self.context, (Full, Recent, DiffSpec)):
+        if not isinstance(self.context, _Context):
             raise ConfigError(f"context must be Full(), Recent(...) or DiffSpec(...), got {_show(self.context)}")
         if not isinstance(self.verification, (Chain, Tree)):
             raise ConfigError(f"verification must be Chain(...) or Tree(...), got {_show(self.verification)}")
@@ -1211,7 +1269,7 @@ class SpecConfig:
                               "adapts, verifies rows in blocks of other shapes than target-only decoding; use "
                               "diffspec_verification_mode 'linear' without diffspec_adaptive_profile")
         if self.uses_working_cache:
-            self.check_history_budget(sink=isinstance(self.context, DiffSpec) and self.context.keep_sink_chunk)
+            self.check_history_budget(sink=self.context.sink)
 
     def check_history_budget(self, sink: bool) -> None:
         """Refuse a working cache whose history budget holds less than one chunk (two with a ``sink`` chunk)."""
@@ -1254,7 +1312,7 @@ class SpecConfig:
     @property
     def uses_working_cache(self) -> bool:
         """The draft reads a fixed-capacity working cache (:class:`Recent` and :class:`DiffSpec`)."""
-        return isinstance(self.context, _WorkingCache)
+        return self.context.working_cache
 
     @property
     def history_budget(self) -> int:

@@ -45,7 +45,7 @@ from diffspec_jax.mesh import make_mesh
 from diffspec_jax.target import check_token_ids, load_target
 from diffspec_jax.config import (KERNEL_CHOICES, KERNELS_ENV, KV_CACHE_DTYPES, DiffSpec, NGram, SamplingConfig,
                                  SpecConfig, Tree)
-from diffspec_jax.engine.drafter import DRAFTERS
+from diffspec_jax.engine.drafter import named_drafts
 from diffspec_jax.errors import CheckpointError, ConfigError, DiffspecError, InputError
 from diffspec_jax.validation import (ArgumentParser, check_generate_args, check_int, check_stop_strings,
                                      decode_text, quiet_library_notices, read_at_most, read_text, report_error)
@@ -144,21 +144,17 @@ def add_model_arguments(ap) -> None:
                          "lossless relative to the target on the fp8 cache; docs/serving.md)")
 
 
-#: the ``--draft`` values that name a drafter instead of a directory
-NAMED_DRAFTS = (engine.SELF, *DRAFTERS)
-
-
 def named_draft(args) -> str | None:
-    """``--draft`` when it names a drafter (:data:`NAMED_DRAFTS`: ``self``, ``ngram``) and ``--no-draft`` is not
-    given; else ``None``."""
-    return args.draft if args.draft in NAMED_DRAFTS and not args.no_draft else None
+    """``--draft`` when it names a drafter (:func:`~diffspec_jax.engine.drafter.named_drafts`: ``self``, ``ngram``)
+    and ``--no-draft`` is not given; else ``None``."""
+    return args.draft if args.draft in named_drafts() and not args.no_draft else None
 
 
 def model_dirs(args) -> tuple[Path, Path | None, bool]:
     """``(target_dir, draft_dir or None, embedded)`` from :func:`add_model_arguments`' options (no ``--target``:
     the embedded demo pair). A named drafter (``--draft self``: the target drafts for itself; ``--draft ngram``:
     prompt lookup) gives no draft directory, with or without ``--target``."""
-    named = args.draft in NAMED_DRAFTS
+    named = args.draft in named_drafts()
     embedded = args.target is None
     if embedded and args.draft is not None and not named:
         raise ConfigError("--draft needs --target (the draft is bound to its target); without --target the "
@@ -234,7 +230,7 @@ def spec_from_args(args, draft_tp: int | None = None) -> SpecConfig:
     """The :class:`SpecConfig` of :func:`add_spec_arguments`' options, built from their flat names
     (:meth:`SpecConfig.from_flat`; ``--policy`` defaults to ``diffspec``, ``--kernels`` to ``$DIFFSPEC_KERNELS``)."""
     flat = dict(
-        num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=args.policy or "diffspec",
+        num_speculative_tokens=args.num_speculative_tokens, draft_context_policy=args.policy or DiffSpec.policy,
         diffspec_chunk_size=args.chunk_size, diffspec_token_budget=args.token_budget,
         diffspec_retrieval_interval=args.retrieval_interval, diffspec_verification_mode=args.verification_mode,
         diffspec_max_tree_nodes=args.max_tree_nodes, diffspec_tree_topk=args.tree_topk,

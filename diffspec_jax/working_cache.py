@@ -48,6 +48,14 @@ class DraftCache:
     store_k: jax.Array | None = None
     store_v: jax.Array | None = None
 
+    def pools(self) -> tuple:
+        """The leaves a paged state's rows share: the store ``(store_k, store_v)`` (``(None, None)`` without one)."""
+        return self.store_k, self.store_v
+
+    def with_pools(self, store_k, store_v) -> DraftCache:
+        """:meth:`pools` replaced (``None``: taken out, so that every leaf left is batch-first)."""
+        return self.replace(store_k=store_k, store_v=store_v)
+
     @classmethod
     def create(cls, config: DraftConfig, spec: SpecConfig, batch: int, capacity: int, dtype,
                num_kv_heads: int | None = None, pool_rows: int | None = None) -> DraftCache:
@@ -68,10 +76,9 @@ class DraftCache:
 
 
 def history_slots(spec: SpecConfig) -> int:
-    """Maximum history length n: ``budget - K - 1`` for ``recent``, Hb (whole chunks) for ``diffspec``."""
-    if spec.context.policy == "recent":
-        return spec.context.token_budget - spec.num_speculative_tokens - 1
-    return spec.history_budget
+    """Maximum history length n: the policy's capacity rule (``budget - K - 1`` for ``recent``, Hb (whole chunks)
+    for ``diffspec``)."""
+    return spec.context.history_slots(spec.num_speculative_tokens)
 
 
 def commit(config: DraftConfig, spec: SpecConfig, cache: DraftCache, k: jax.Array, v: jax.Array,

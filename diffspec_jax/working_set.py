@@ -76,6 +76,14 @@ class WorkingSet:
         """int32 ``[B]`` history tokens n; the draft's chain runs at slots ``n ..``."""
         return self.n_anchor + self.count
 
+    def pools(self) -> tuple:
+        """The leaves a paged state's rows share: none (a working set is per row; see
+        :meth:`diffspec_jax.working_cache.DraftCache.pools`)."""
+        return None, None
+
+    def with_pools(self, store_k, store_v) -> WorkingSet:
+        return self
+
     @classmethod
     def create(cls, config: ModelConfig, spec: SpecConfig, batch: int, dtype, *, tp: int = 1) -> WorkingSet:
         """Zero buffers for ``config``'s attention layers at ``spec``'s budget (global shapes of a ``tp``-way layout,

@@ -115,12 +115,14 @@ def test_engine_chain_drafts_match_numpy_chain(arch, targets, drafts):
     """Draft prefill + step 0 + chain inside the engine propose what the NumPy chain (fc only on target
     features, pre-norm h2 fed back, positions r + j, d2t mapping) proposes."""
     from diffspec_jax import SamplingConfig, SpecConfig, engine
+    from diffspec_jax.engine.propose import Eagle3Drafter
 
     target, draft = targets[arch], drafts[arch]
     prompt = random_prompts(2, [30])[0]
     k = 4
     plan = engine.Plan(target=target.config, draft=draft.config, spec=SpecConfig(num_speculative_tokens=k),
-                       sampling=SamplingConfig(), aux_layers=draft.aux_layers, capacity=256)
+                       sampling=SamplingConfig(), aux_layers=draft.aux_layers, capacity=256,
+                       drafter=Eagle3Drafter())
     state = engine.init_state(plan, 1, jnp.float32, jnp.float32, 0)
     acc = engine._PrefillAcc(logits=jnp.zeros((1, 256)), aux=jnp.zeros((1, 3 * 64)),
                              score_q=jnp.zeros((1, 4, target.config.head_dim)), score_lse=jnp.zeros((1, 4)))

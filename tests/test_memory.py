@@ -12,6 +12,7 @@ from checkpoints_tools.make_tiny import tiny_config
 from diffspec_jax import make_mesh
 from diffspec_jax.config import DraftConfig, ModelConfig, RopeConfig, SamplingConfig, SpecConfig
 from diffspec_jax.engine import init_state, memory
+from diffspec_jax.engine.propose import Eagle3Drafter
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import InputError, OutOfMemoryError
 from diffspec_jax.target import abstract_params
@@ -28,7 +29,7 @@ DIFFSPEC = SpecConfig.from_flat(dict(num_speculative_tokens=3, draft_context_pol
 def plan(draft: bool, capacity: int = 512, mesh=None, target: ModelConfig = TARGET) -> Plan:
     return Plan(target=target, draft=DRAFT if draft else None, spec=DIFFSPEC if draft else SpecConfig(),
                 sampling=SamplingConfig(), aux_layers=DRAFT.resolve_aux_layers(TARGET) if draft else (),
-                capacity=capacity, mesh=mesh, draft_tp=1)
+                capacity=capacity, mesh=mesh, draft_tp=1, drafter=Eagle3Drafter() if draft else None)
 
 
 def shard_bytes(tree) -> int:

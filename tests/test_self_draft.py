@@ -13,7 +13,7 @@ import pytest
 
 from conftest import random_prompts
 from diffspec_jax import SamplingConfig, SpecConfig, engine, forward, generate
-from diffspec_jax.engine.self_draft import self_draft_spec, self_propose
+from diffspec_jax.engine.self_draft import SelfDrafter, self_draft_spec, self_propose
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.models import llama
 from diffspec_jax.models.layers import attention_dense, embed_lookup, rope_cos_sin
@@ -97,7 +97,7 @@ def prefilled(plan, target, prompts):
     state = engine.init_state(plan, b, jnp.float32, jnp.float32, 0)
     state, acc = fns.prefill_chunk(target.params, None, state, acc, toks[:, :CAPACITY], toks[:, 1:],
                                    jnp.zeros(b, jnp.int32), lengths)
-    context = jnp.asarray(pad_prompts(prompts, CAPACITY)) if plan.drafter is not None else None
+    context = jnp.asarray(pad_prompts(prompts, CAPACITY)) if plan.drafter_context else None
     state, first = fns.start_decode(state, acc, lengths, context)
     if plan.diffspec:
         state, _ = fns.retrieve(target.params, None, state, jnp.ones(b, bool))
@@ -139,7 +139,7 @@ def test_working_set_is_a_gather_of_the_target_rows_and_drafts_match_a_masked_fo
     cfg, params = target.config, target.params
     spec = self_draft_spec(SpecConfig.from_flat(dict(draft_context_policy="diffspec", draft_sampling="sample", **SMALL)), cfg)
     plan = engine.Plan(target=cfg, draft=None, spec=spec, sampling=SamplingConfig(temperature=1.0), aux_layers=(),
-                       capacity=CAPACITY, self_draft=True)
+                       capacity=CAPACITY, drafter=SelfDrafter())
     state, first = prefilled(plan, target, prompts)
     seqs = [list(p) + [int(f)] for p, f in zip(prompts, first)]
     propose = jax.jit(functools.partial(self_propose, plan))
@@ -176,7 +176,7 @@ def test_working_set_is_a_gather_of_the_target_rows_and_drafts_match_a_masked_fo
                 padded[:len(tokens)] = tokens
                 ref = masked_logits(cfg, params, jnp.asarray(padded), jnp.asarray(mask))[length + j]
                 np.testing.assert_allclose(np.asarray(q[b, j]), np.asarray(jax.nn.softmax(ref)), atol=2e-6)
-        state, emitted, m, _, _ = fns.cycle(params, None, state, active)
+        state, emitted, m, *_ = fns.cycle(params, None, state, active)
         for b in range(len(seqs)):
             seqs[b] += [int(x) for x in np.asarray(emitted[b, :int(m[b]) + 1])]
         layer0 = np.asarray(state.target_cache.k[0])  # the chain's own rows: layer 0 K depends on token + position
@@ -205,6 +205,21 @@ def micro():
     return TargetModel(cfg, llama.init_params(cfg, seed=3, scale=0.3))
 
 
+def sampled_cycles(plan, target, base, **leaves):
+    """``N_CALLS`` chain cycles (the engine's program, state donated) of ``N_BATCH`` copies of the batch-1 state
+    ``base``, with fresh keys and ``leaves`` set in every copy: the first emitted token and whether a draft was
+    accepted, each ``[N_CALLS, N_BATCH]``."""
+    copies = jax.jit(lambda st, key: st.take(jnp.zeros(N_BATCH, jnp.int32)).replace(rng=key, **leaves))
+    cycle = engine.compiled(plan).cycle
+    active = jnp.ones(N_BATCH, bool)
+    firsts, accepted = [], []
+    for i in range(N_CALLS):
+        _, emitted, m, *_ = cycle(target.params, None, copies(base, jax.random.PRNGKey(i)), active)
+        firsts.append(np.asarray(emitted[:, 0]))
+        accepted.append(np.asarray(m) > 0)
+    return np.stack(firsts), np.stack(accepted)
+
+
 def test_self_draft_sampling_keeps_the_target_distribution(micro):
     """24,000 verification cycles of one context (draft tokens sampled from the self-draft's processed
     distribution, verified with it as q): the first emitted token follows the target's processed distribution
@@ -218,19 +233,15 @@ def test_self_draft_sampling_keeps_the_target_distribution(micro):
     spec = self_draft_spec(SpecConfig.from_flat(dict(draft_context_policy="recent", draft_sampling="sample", diffspec_chunk_size=8,
                                                      diffspec_token_budget=24, num_speculative_tokens=2)), micro.config)
     plan = engine.Plan(target=micro.config, draft=None, spec=spec, sampling=sampling, aux_layers=(),
-                       capacity=CAPACITY, self_draft=True)
+                       capacity=CAPACITY, drafter=SelfDrafter())
     base, _ = prefilled(plan, micro, [prompt])
     base = base.replace(last_token=jnp.full((1,), x, jnp.int32))
     q = np.asarray(jax.jit(functools.partial(self_propose, plan))(micro.params, base, jnp.ones(1, bool),
                                                                    jax.random.PRNGKey(0))[1][0, 0], np.float64)
     p = np.exp(np.asarray(processed_logprobs(forward(micro, [prompt + [x]])[0, -1], sampling), np.float64))
     assert 0.5 * np.abs(q - p).sum() > 0.3  # total variation: the working set really changes the distribution
-    copies = jax.jit(lambda st, key: st.take(jnp.zeros(N_BATCH, jnp.int32)).replace(rng=key))
-    cycle = engine.compiled(plan).cycle  # the engine's chain cycle (state donated)
-    active = jnp.ones(N_BATCH, bool)
-    firsts = [np.asarray(cycle(micro.params, None, copies(base, jax.random.PRNGKey(i)), active)[1][:, 0])
-              for i in range(N_CALLS)]
-    counts = np.bincount(np.concatenate(firsts), minlength=p.shape[0])
+    firsts, _ = sampled_cycles(plan, micro, base)
+    counts = np.bincount(firsts.ravel(), minlength=p.shape[0])
     assert chi_square_pvalue(counts, p / p.sum()) > 1e-3
     accept_all = np.bincount(np.random.default_rng(0).choice(p.shape[0], counts.sum(), p=q / q.sum()),
                              minlength=p.shape[0])  # what emitting the drafts unverified would give
@@ -245,6 +256,7 @@ def test_prompt_lookup_sampling_keeps_the_target_distribution(micro, behind):
     drafts d (one-hot q); on the other half x never occurs before, so the rows take the last token repeated (alone)
     or the self-draft's sampled tokens and q. In each half the first emitted token follows the target's processed
     distribution (chi-square), and on the matching half a draft is accepted as often as p(d) says."""
+    from diffspec_jax.engine.drafting import InFront
     from diffspec_jax.engine.ngram import NGramDrafter
     from test_verification import chi_square_pvalue
 
@@ -259,7 +271,7 @@ def test_prompt_lookup_sampling_keeps_the_target_distribution(micro, behind):
     else:
         spec = SpecConfig.from_flat(flat)
     plan = engine.Plan(target=micro.config, draft=None, spec=spec, sampling=sampling, aux_layers=(),
-                       capacity=CAPACITY, self_draft=behind == "self", drafter=NGramDrafter())
+                       capacity=CAPACITY, drafter=InFront(NGramDrafter(), SelfDrafter()) if behind else NGramDrafter())
     base, _ = prefilled(plan, micro, [prompt])
     p = np.exp(np.asarray(processed_logprobs(forward(micro, [prompt + [x]])[0, -1], sampling), np.float64))
     p /= p.sum()
@@ -271,15 +283,8 @@ def test_prompt_lookup_sampling_keeps_the_target_distribution(micro, behind):
     rows = np.repeat(hist[None], N_BATCH, axis=0)
     rows[found, 10], rows[found, 11] = x, d  # one earlier x, followed by d
     base = base.replace(last_token=jnp.full((1,), x, jnp.int32))
-    copies = jax.jit(lambda st, key: st.take(jnp.zeros(N_BATCH, jnp.int32)).replace(rng=key, drafter=jnp.asarray(rows)))
-    cycle = engine.compiled(plan).cycle
-    active = jnp.ones(N_BATCH, bool)
-    firsts, accepted = [], []
-    for i in range(N_CALLS):
-        _, emitted, m, _, _ = cycle(micro.params, None, copies(base, jax.random.PRNGKey(i)), active)
-        firsts.append(np.asarray(emitted[:, 0]))
-        accepted.append(np.asarray(m) > 0)
-    firsts, accepted = np.stack(firsts), np.stack(accepted)
+    mine = (jnp.asarray(rows), None) if behind else jnp.asarray(rows)  # (InFront: the pair of the two states)
+    firsts, accepted = sampled_cycles(plan, micro, base, drafter=mine)
     for half in (found, ~found):
         counts = np.bincount(firsts[:, half].ravel(), minlength=p.shape[0])
         assert chi_square_pvalue(counts, p) > 1e-3

@@ -50,7 +50,7 @@ import numpy as np
 
 from checkpoints_tools.hf import save_hf
 from checkpoints_tools.inspect import file_hashes
-from diffspec_jax.config import ModelConfig, RopeConfig, SpecConfig
+from diffspec_jax.config import DRAFT_CONTEXT_POLICIES, ModelConfig, RopeConfig, SpecConfig
 from diffspec_jax.corpus import (DEMO_PROMPT_PACKAGE, HELD_OUT, WORKLOADS, LineDeduplicator, build_corpus,
                                  copied_fraction, encode_documents, held_out_prompts, train_tokenizer)
 from diffspec_jax.draft import load_draft
@@ -76,7 +76,7 @@ CHAT_TEMPLATE = """{#- the demo pair: user and system messages as Python comment
 """
 
 CONTEXTS = (2048, 8192, 16384)
-POLICIES = ("full", "recent", "diffspec")
+POLICIES = DRAFT_CONTEXT_POLICIES
 TOOL = "diffspec_jax.demo.build"
 ATTENTION = ("dense", "flash")
 #: a byte-level BPE holds the 256 byte tokens and 2 special tokens before any merge

@@ -3,11 +3,12 @@
 
 * :mod:`~diffspec_jax.engine.state`: :class:`DecodeState` (what changes per cycle), :class:`Plan` (what does not);
 * :mod:`~diffspec_jax.engine.prefill`: the chunked prefill and the first token;
-* :mod:`~diffspec_jax.engine.propose`: the draft's step 0 and its chain or tree (:func:`draft_propose`);
-* :mod:`~diffspec_jax.engine.self_draft`: the target drafting for itself over its working set (``draft="self"``);
-* :mod:`~diffspec_jax.engine.drafter`: the :class:`~diffspec_jax.engine.drafter.Drafter` protocol (prepare after
-  prefill, propose K tokens, update after acceptance), the registry of named drafters and the reading of a
-  ``draft`` argument; :mod:`~diffspec_jax.engine.ngram`: prompt lookup (``draft="ngram"``), its first drafter;
+* :mod:`~diffspec_jax.engine.drafting`: the :class:`~diffspec_jax.engine.drafting.Drafter` protocol (prepare after
+  prefill, propose K tokens, update after acceptance, ...); :mod:`~diffspec_jax.engine.drafter`: the registry of
+  drafters and the reading of a ``draft`` argument;
+* the drafters: :mod:`~diffspec_jax.engine.propose` (EAGLE-3: the draft's step 0 and its chain or tree,
+  :func:`draft_propose`), :mod:`~diffspec_jax.engine.self_draft` (the target drafting for itself over its working
+  set, ``draft="self"``), :mod:`~diffspec_jax.engine.ngram` (prompt lookup, ``draft="ngram"``);
 * :mod:`~diffspec_jax.engine.verify`: the cycles (draft -> verify -> accept; chain, tree, target alone);
 * :mod:`~diffspec_jax.engine.retrieve`: DiffSpec's chunk scoring and selection;
 * :mod:`~diffspec_jax.engine.loop`: the device loop, a block of cycles in one ``lax.while_loop``;

@@ -26,7 +26,7 @@ from diffspec_jax.engine.loop import _block, block_out_specs, loop_specs
 from diffspec_jax.engine.prefill import _PrefillAcc, _prefill_chunk, _start_decode
 from diffspec_jax.engine.retrieve import _retrieve
 from diffspec_jax.engine.state import Plan, _init_state, state_specs
-from diffspec_jax.engine.verify import _spec_cycle, _target_cycle, _tree_cycle
+from diffspec_jax.engine.verify import Cycle, _spec_cycle, _target_cycle, _tree_cycle
 from pallas_kernels.common import use_deterministic, use_kernels
 
 #: the environment variable naming JAX's persistent compilation cache directory (``0``: leave the cache off)
@@ -186,25 +186,25 @@ def build_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespac
     budget) -> (state, loop, BlockOut)`` (state and loop donated). ``programs`` holds the ahead-of-time
     compiled :class:`_Program` versions :func:`generate` runs: ``prefill_first`` (a prompt's first chunk) and
     ``prefill_chunk`` (the others), ``start_decode`` (``(state, acc, lengths, context)``, the context ``None`` unless
-    the plan has a :class:`~diffspec_jax.engine.drafter.Drafter`), ``retrieve``,
+    the plan's drafter reads the prompts, :attr:`~diffspec_jax.engine.state.Plan.drafter_context`), ``retrieve``,
     ``block(c)`` and ``init(batch, target_dtype, draft_dtype)`` (``(key) -> DecodeState``).
     """
     sp = program_specs(plan, tspec_key, dspec_key)
     make = functools.partial(sharded_program, plan)
     tparams, dparams, st, row, rows2 = sp.tparams, sp.dparams, sp.state, sp.row, sp.rows2
     chunk_ins = (tparams, dparams, st, sp.acc, rows2, rows2, row, row)
-    cycle_out = (st, rows2, row, row, row)
+    cycle_out = Cycle(st, rows2, row, row, row, row)
     out = SimpleNamespace(
         prefill_chunk=make(_prefill_chunk, 2, chunk_ins, (st, sp.acc)),
         prefill_first=make(functools.partial(_prefill_chunk, first=True), 2, chunk_ins, (st, sp.acc)),
-        start_decode=make(_start_decode, 0, (st, sp.acc, row, rows2 if plan.drafter is not None else None),
+        start_decode=make(_start_decode, 0, (st, sp.acc, row, rows2 if plan.drafter_context else None),
                           (st, row)),
         retrieve=make(_retrieve, 2, (tparams, dparams, st, row), (st, sp.ranks)),
         cycle=make(_spec_cycle if plan.speculative else _target_cycle, 2, (tparams, dparams, st, row), cycle_out))
     out.cycle_at = functools.lru_cache(maxsize=None)(
         lambda d: make(functools.partial(_spec_cycle, depth=d), 2, (tparams, dparams, st, row, row), cycle_out))
     if plan.tree_mode:
-        out.tree_cycle = make(_tree_cycle, 2, (tparams, dparams, st, row, rows2, row), cycle_out + (row,))
+        out.tree_cycle = make(_tree_cycle, 2, (tparams, dparams, st, row, rows2, row), cycle_out)
     caps_spec, budget_spec = (rows2, row) if plan.tree_mode else (None, None)
     out.block = functools.lru_cache(maxsize=None)(
         lambda c: make(functools.partial(_block, cycles=c), (2, 3),

@@ -175,8 +175,7 @@ def _validate(target: TargetModel, draft, prompts, max_new_tokens: int, spec: Sp
             raise ConfigError(f"vocabulary mismatch: draft vocab_size {draft.config.vocab_size} vs target "
                               f"{target.config.vocab_size}")
         draft.config.resolve_aux_layers(target.config)
-        if spec.context.policy == "diffspec":
-            spec.context.layer_for(target.config)
+        spec.context.check_target(target.config)
         if spec.tree:
             ensure_tree_supported(target.config)
     return out
@@ -363,8 +362,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     if not isinstance(session, Session):
         raise ConfigError(f"session must be a diffspec_jax.engine.Session, got {type(session).__name__}")
     choice = split_draft(draft)
-    draft, self_draft = choice.model, choice.self_draft
-    if (self_draft or choice.drafter is not None) and proposer is not None:
+    draft = choice.model
+    if choice.drafter is not None and proposer is not None:
         raise ConfigError("a custom proposer drafts alone; it cannot be combined with draft='self' or a named "
                           "drafter")
     prompts = _validate(target, draft, prompts, max_new_tokens, spec, sampling, block_cycles)
@@ -373,8 +372,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         prefill_chunk=prefill_chunk, on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh)
     stop = check_text_args(stop, tokenizer, on_text, skip_special_tokens)
     tc = target.config
-    spec, drafter = draft_spec(choice, spec, tc)
-    speculative = draft is not None or proposer is not None or self_draft or drafter is not None
+    spec, drafter = draft_spec(choice, spec, tc, proposer)
+    speculative = drafter is not None
     if proposer is not None and spec.tree:
         raise ConfigError("a custom proposer drafts chains; it cannot be combined with diffspec_verification_mode="
                           "'tree'")
@@ -408,9 +407,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     # EOS ids share the compiled programs
     plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                 draft=draft.config if draft is not None else None, spec=spec, sampling=sampling,
-                aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, proposer=proposer,
-                mesh=mesh, draft_tp=draft_tp, self_draft=self_draft, paging=paging, drafter=drafter,
-                kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
+                aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, mesh=mesh,
+                draft_tp=draft_tp, paging=paging, drafter=drafter, kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
     enable_compilation_cache()
     stops = set(tc.eos_token_ids if stop_token_ids is None else stop_token_ids)
     tparams, dparams = session.prepare_params(target, draft, mesh, draft_tp)
@@ -431,8 +429,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
     memory.check_fits(mem, max_new_tokens=max_new_tokens)
     cycles = block_cycles or (1 if plan.host_shaped else DEFAULT_BLOCK_CYCLES)
     stats = GenerateStats(num_sequences=real, num_speculative_tokens=k,
-                          draft_context_policy=spec.context.policy if draft is not None or self_draft
-                          else None,
+                          draft_context_policy=spec.context.policy if plan.model_draft else None,
                           verification_mode="tree" if plan.tree_mode else "linear" if speculative else None,
                           block_cycles=int(cycles), cache_capacity=capacity, memory=mem.to_dict())
     ctl = _RetrievalControl(spec, batch) if plan.diffspec else None
@@ -477,7 +474,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         state, acc = chunk(clock, tparams, dparams, state, acc, jnp.asarray(tokens[:, s:s + width]),
                            jnp.asarray(tokens[:, s + 1:s + width + 1]), jnp.asarray(starts + s), jl)
     context = None  # a drafter's view of the prompts (a prefix cache's reused pages hold no tokens)
-    if drafter is not None:
+    if plan.drafter_context:
         context = _put(plan, pad_prompts(prompts, capacity), P(sharding.DP if plan.dp > 1 else None, None))
     state, first = progs.start_decode(clock, state, acc, jl, context)
     first = np.asarray(first)

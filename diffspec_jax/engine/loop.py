@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from diffspec_jax import adaptive, sharding
 from diffspec_jax.engine.retrieve import _select_anchors
 from diffspec_jax.engine.state import DecodeState, Plan
-from diffspec_jax.engine.verify import _spec_cycle, _target_cycle, _tree_cycle
+from diffspec_jax.engine.verify import Cycle, _spec_cycle, _target_cycle, _tree_cycle
 from diffspec_jax.retrieval_control import ADAPTIVE_ACCEPT_FACTOR, ADAPTIVE_JACCARD, ADAPTIVE_MAX_INTERVAL, ratio
 
 
@@ -167,22 +167,18 @@ def _spec_cycle_at(plan: Plan, depth: int, tparams, dparams, state, active, dept
     return _spec_cycle(plan, tparams, dparams, state, active, depth_rows, depth=depth)
 
 
-def _loop_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depths, caps, budget):
-    """The plan's cycle: ``(state, emitted [B, K+1], m [B], n [B], window [B], drafted [B])``. Adaptive depth runs
-    the batch at its largest depth (``lax.switch`` over the K compiled depths)."""
+def _loop_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depths, caps, budget) -> Cycle:
+    """The plan's :class:`~diffspec_jax.engine.verify.Cycle`. Adaptive depth runs the batch at its largest depth
+    (``lax.switch`` over the K compiled depths)."""
     if not plan.speculative:
-        state, emitted, m, n, window = _target_cycle(plan, tparams, dparams, state, active)
-        return state, emitted, m, n, window, jnp.zeros_like(m)
+        return _target_cycle(plan, tparams, dparams, state, active)
     if plan.spec.tree:
-        state, emitted, m, n, window, size = _tree_cycle(plan, tparams, dparams, state, active, caps, budget)
-        return state, emitted, m, n, window, size
+        return _tree_cycle(plan, tparams, dparams, state, active, caps, budget)
     if depths is not None:
         top = _max_global(plan, jnp.where(active, depths, 1))
         branches = [functools.partial(_spec_cycle_at, plan, d) for d in range(1, plan.k + 1)]
-        state, emitted, m, n, window = jax.lax.switch(top - 1, branches, tparams, dparams, state, active, depths)
-        return state, emitted, m, n, window, depths
-    state, emitted, m, n, window = _spec_cycle(plan, tparams, dparams, state, active)
-    return state, emitted, m, n, window, jnp.full_like(m, plan.k)
+        return jax.lax.switch(top - 1, branches, tparams, dparams, state, active, depths)
+    return _spec_cycle(plan, tparams, dparams, state, active)
 
 
 def _emit(loop: LoopState, out: BlockOut, active, emitted, m, stops) -> tuple[LoopState, BlockOut]:

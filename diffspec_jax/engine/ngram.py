@@ -16,7 +16,7 @@ the host: a prefix cache's reused pages hold no tokens) and the first token (:me
 with each cycle's emitted tokens (:meth:`NGramDrafter.update`).
 
 With ``NGram(first=True)`` and a draft (EAGLE-3 or self), prompt lookup proposes on the rows where it matches and
-the draft on the others (:func:`~diffspec_jax.engine.verify._spec_cycle`).
+the draft on the others (:class:`~diffspec_jax.engine.drafting.InFront`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from diffspec_jax.config import Full, ModelConfig, SpecConfig
+from diffspec_jax.config import ModelConfig, SpecConfig
+from diffspec_jax.engine.drafting import Drafter, Proposal, zero_rows
 from diffspec_jax.errors import ConfigError
 
 #: the ``draft`` argument of :func:`diffspec_jax.generate` (and ``--draft``) that selects prompt-lookup drafting
@@ -78,40 +79,37 @@ def write_emitted(history: jax.Array, length: jax.Array, active: jax.Array, emit
 
 
 @dataclass(frozen=True)
-class NGramDrafter:
-    """Prompt lookup as a :class:`~diffspec_jax.engine.drafter.Drafter` (settings in ``plan.spec.ngram``)."""
+class NGramDrafter(Drafter):
+    """Prompt lookup as a :class:`~diffspec_jax.engine.drafting.Drafter` (settings in ``plan.spec.ngram``); its
+    state is the token history, int32 ``[B, capacity]``."""
 
     name: ClassVar[str] = NGRAM
+    needs_context: ClassVar[bool] = True
 
     def spec_for(self, spec: SpecConfig, target: ModelConfig, *, alone: bool) -> SpecConfig:
-        """The :class:`SpecConfig` a run uses: chains only; alone (no draft behind it) the draft-context settings
-        mean nothing and are reset (plans that differ only there share programs).
-
-        Raises:
-            ConfigError: tree verification."""
+        """Chains only (a ConfigError for a tree); alone, the draft-context settings are reset."""
         if spec.tree:
             raise ConfigError("prompt lookup proposes chains: diffspec_verification_mode='tree' needs an EAGLE-3 "
                               "draft without ngram_first")
-        return spec.replace(context=Full(), draft_sampling="argmax") if alone else spec
+        return super().spec_for(spec, target, alone=alone)
 
     def init(self, plan, batch: int):
-        """The token history, int32 ``[batch, capacity]``."""
         return jnp.zeros((batch, plan.capacity), jnp.int32)
 
     def specs(self, plan, dp):
         return P(dp, None)
 
     def prepare(self, plan, history, context, lengths, first):
-        """After the prefill: ``context`` int32 ``[B, capacity]`` (each prompt, zero padded), the first token
-        ``first [B]`` at position ``lengths``."""
+        """The history after the prefill: each prompt (``context``, zero padded), the first token at ``lengths``."""
         b = history.shape[0]
         return context.astype(jnp.int32).at[jnp.arange(b), lengths].set(first, mode="drop")
 
-    def propose(self, plan, state, depth: int):
-        """``(drafts int32 [B, depth], q None (one-hot), found bool [B])``."""
+    def propose(self, plan, tparams, dparams, state, active, key, depth: int) -> Proposal:
+        """One-hot q; ``found`` False on the rows where no n-gram matched."""
         cfg = plan.spec.ngram
         drafts, found = ngram_propose(state.drafter, state.length, cfg.min_n, cfg.max_n, depth)
-        return drafts, None, found
+        zero = zero_rows(state)
+        return Proposal(drafts, None, state, zero, zero, found)
 
     def update(self, plan, history, length, active, emitted, m):
         return write_emitted(history, length, active, emitted, m)

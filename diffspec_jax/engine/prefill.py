@@ -1,5 +1,5 @@
-"""Prefill: the target's chunked prefill of ragged prompts (the draft's K/V of each chunk projected and stored as
-it goes), then the first sampled token, which becomes the pending root entry of the first cycle."""
+"""Prefill: the target's chunked prefill of ragged prompts (an EAGLE-3 draft's K/V of each chunk projected and stored
+as it goes), then the first sampled token, which becomes the pending root entry of the first cycle."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from diffspec_jax import retrieval, working_cache
 from diffspec_jax.engine.state import DecodeState, Plan, _rows, _split
-from diffspec_jax.models import eagle3, family
+from diffspec_jax.models import family
 from diffspec_jax.sampling import choose, choose_rows, split_rows
 
 
@@ -25,13 +24,14 @@ class _PrefillAcc:
 
 def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _PrefillAcc, tokens, next_tokens,
                    start, lengths, *, first: bool = False):
-    """Target prefill of one chunk; the draft's K/V of the chunk's entries are projected and stored. ``first``
-    (static): the prompts' first chunk (every ``start`` is 0), whose attention has no prefix to read."""
+    """Target prefill of one chunk, then the drafter's :meth:`~diffspec_jax.engine.drafting.Drafter.prefill` (an
+    EAGLE-3 draft stores the chunk's entries). ``first`` (static): the prompts' first chunk (every ``start`` is 0),
+    whose attention has no prefix to read."""
     b, w = tokens.shape
     last = lengths - 1
     rows = jnp.clip(last - start, 0, w - 1)[:, None]
     out, tcache = family(plan.target).step(plan.target, tparams, state.target_cache, tokens, start, rows,
-                                           aux_layers=plan.aux_layers if plan.draft is not None else (),
+                                           aux_layers=plan.aux_layers,
                                            score_layer=plan.score_layer, axis_name=plan.tp_axis,
                                            num_valid=jnp.clip(lengths - start, 0, w),  # padding stays out of states
                                            first_chunk=first)
@@ -39,20 +39,10 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
     sel = lambda new, old: jnp.where(in_chunk.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
     acc = acc.replace(logits=sel(out.logits[:, 0], acc.logits))
     state = state.replace(target_cache=tcache)
-    if plan.draft is not None:
+    if out.aux is not None:
         acc = acc.replace(aux=sel(_rows(out.aux, rows[:, 0]), acc.aux))
-        positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
-        z, _ = eagle3.entry_inputs(plan.draft, dparams, next_tokens, out.aux, from_target=True,
-                                   axis_name=plan.draft_axis)
-        _, k, v = eagle3.qkv(dparams, z)
-        dcache = working_cache.commit(plan.draft, plan.spec, state.draft_cache, k, v, positions,
-                                      pages=tcache.pages, page_size=tcache.page_size)
-        state = state.replace(draft_cache=dcache)
-        ret = state.retrieval
-        if ret is not None and ret.chunk_sum is not None:  # entry P-1 is committed later, by the first step 0
-            ret = ret.replace(chunk_sum=retrieval.update_chunk_sums(
-                ret.chunk_sum, k, positions, positions < last[:, None], plan.spec.context.chunk_size))
-            state = state.replace(retrieval=ret)
+    if plan.drafter is not None:
+        state = plan.drafter.prefill(plan, dparams, state, out, next_tokens, start, last)
     if out.score_q is not None:
         acc = acc.replace(score_q=sel(out.score_q[:, 0], acc.score_q), score_lse=sel(out.score_lse[:, 0],
                                                                                       acc.score_lse))
@@ -60,9 +50,9 @@ def _prefill_chunk(plan: Plan, tparams, dparams, state: DecodeState, acc: _Prefi
 
 
 def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths, context=None):
-    """Sample the first token x_P and make entry P-1 (x_P, F_{P-1}) the pending root; a plan's
-    :class:`~diffspec_jax.engine.drafter.Drafter` prepares its state from ``context`` (int32 ``[B, capacity]``, the
-    prompts zero padded; ``None`` without a drafter)."""
+    """Sample the first token x_P and make entry P-1 (x_P, F_{P-1}) the pending root; the plan's
+    :class:`~diffspec_jax.engine.drafting.Drafter` prepares its state (from ``context``, int32 ``[B, capacity]``,
+    the prompts zero padded, when it reads them: ``None`` otherwise)."""
     rng, key = _split(plan, state.rng)
     if state.sampling is None:
         first = choose(key, acc.logits, plan.sampling)
@@ -75,7 +65,7 @@ def _start_decode(plan: Plan, state: DecodeState, acc: _PrefillAcc, lengths, con
         rng=rng, length=lengths.astype(jnp.int32), last_token=first,
         pend_tokens=jnp.zeros_like(state.pend_tokens).at[:, 0].set(first),
         pend_feats=jnp.zeros_like(state.pend_feats).at[:, 0].set(acc.aux.astype(state.pend_feats.dtype))
-        if plan.draft is not None else state.pend_feats,
+        if plan.aux_layers else state.pend_feats,
         pend_count=jnp.ones_like(lengths, jnp.int32) if k1 > 1 else state.pend_count)
     if state.retrieval is not None and plan.score_layer is not None:
         state = state.replace(retrieval=state.retrieval.replace(score_q=acc.score_q, score_lse=acc.score_lse))

@@ -1,12 +1,19 @@
-"""Drafting: the EAGLE-3 draft's step 0 (commit the pending entries, rebuild the working cache, run the root), then
-a chain of K proposals (:func:`draft_propose`) or an EAGLE-style dynamic tree (:func:`draft_propose_tree`)."""
+"""The EAGLE-3 drafter (:class:`Eagle3Drafter`): the draft's entries stored as the prefill goes, then each cycle
+its step 0 (commit the pending entries, rebuild the working cache, run the root) and a chain of K proposals
+(:func:`draft_propose`) or an EAGLE-style dynamic tree (:func:`draft_propose_tree`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from diffspec_jax import retrieval, tree, working_cache
+from diffspec_jax import retrieval, sharding, tree, working_cache
+from diffspec_jax.config import ModelConfig, SpecConfig
+from diffspec_jax.engine.drafting import Drafter, Proposal
 from diffspec_jax.engine.state import DecodeState, Plan, _rows
 from diffspec_jax.models import eagle3
 from diffspec_jax.models.layers import attention_dense
@@ -177,3 +184,86 @@ def _best_mass(scores: list, budget: jax.Array, num_nodes: int) -> jax.Array:
     s = jnp.concatenate(scores, axis=1)
     top = jax.lax.top_k(s, min(num_nodes, s.shape[1]))[0]
     return jnp.sum(jnp.where(jnp.arange(top.shape[1])[None, :] < budget[:, None], jnp.exp(top), 0.0), axis=1)
+
+
+@dataclass(frozen=True)
+class Eagle3Drafter(Drafter):
+    """The EAGLE-3 draft (``plan.draft``, its params ``dparams``) as a :class:`~diffspec_jax.engine.drafting.Drafter`,
+    selected by passing a loaded draft. Its cache is a :class:`~diffspec_jax.working_cache.DraftCache` (with a
+    store of entries per position under a working-cache policy, paged beside the target's K/V in a paged state).
+
+    Attributes:
+        proposer: a custom draft function with :func:`draft_propose`'s signature and result (without ``depth``),
+            used instead of it (``generate(proposer=...)``: tests use oracles); ``None``: :func:`draft_propose`.
+    """
+
+    proposer: Callable | None = None
+    name: ClassVar[str] = "eagle3"
+    model: ClassVar[bool] = True
+    needs_draft: ClassVar[bool] = True
+
+    def spec_for(self, spec: SpecConfig, target: ModelConfig, *, alone: bool) -> SpecConfig:
+        return spec
+
+    def label(self, spec: SpecConfig) -> str:
+        return spec.context.policy
+
+    def init_cache(self, plan, batch, target_dtype, draft_dtype, pool_rows):
+        dc = plan.draft
+        if dc is None:  # (a custom proposer without a draft)
+            return None
+        kv_d = sharding.kv_heads_for(dc.num_key_value_heads, plan.draft_tp, "the draft")
+        return working_cache.DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype, num_kv_heads=kv_d,
+                                               pool_rows=pool_rows)
+
+    def cache_specs(self, plan, dp, tp):
+        if plan.draft is None:
+            return None
+        dtp = tp if plan.draft_tp > 1 else None
+        heads = P(dp, None, dtp, None)
+        store = None
+        if plan.spec.uses_working_cache:  # paged: one pool shared by every row
+            store = P(None, None, dtp, None) if plan.paging is not None else heads
+        return working_cache.DraftCache(work_k=heads, work_v=heads, store_k=store, store_v=store)
+
+    def prefill(self, plan, dparams, state, out, next_tokens, start, last):
+        """Store the draft entries of the chunk's positions (entry p: token p + 1 with the target's features at
+        p); entry P - 1 is committed later, by the first step 0."""
+        if plan.draft is None:
+            return state
+        w = next_tokens.shape[1]
+        tcache = state.target_cache
+        positions = start[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :]
+        z, _ = eagle3.entry_inputs(plan.draft, dparams, next_tokens, out.aux, from_target=True,
+                                   axis_name=plan.draft_axis)
+        _, k, v = eagle3.qkv(dparams, z)
+        dcache = working_cache.commit(plan.draft, plan.spec, state.draft_cache, k, v, positions,
+                                      pages=tcache.pages, page_size=tcache.page_size)
+        state = state.replace(draft_cache=dcache)
+        ret = state.retrieval
+        if ret is not None and ret.chunk_sum is not None:
+            ret = ret.replace(chunk_sum=retrieval.update_chunk_sums(
+                ret.chunk_sum, k, positions, positions < last[:, None], plan.spec.context.chunk_size))
+            state = state.replace(retrieval=ret)
+        return state
+
+    def propose(self, plan, tparams, dparams, state, active, key, depth: int) -> Proposal:
+        if self.proposer is None:
+            drafts, q, dcache, ret, n, window = draft_propose(plan, dparams, state, active, key, depth)
+        else:
+            drafts, q, dcache, ret, n, window = self.proposer(plan, dparams, state, active, key)
+            drafts, q = drafts[:, :depth], None if q is None else q[:, :depth]
+        return Proposal(drafts, q, state.replace(draft_cache=dcache, retrieval=ret), n, window)
+
+    def root_query(self, plan, dparams, state):
+        """The draft's query of the upcoming root entry, float32 ``[B, Hq_d, D_d]`` (the salience scorer's)."""
+        rrow = state.pend_count - 1
+        z, _ = eagle3.entry_inputs(plan.draft, dparams, _rows(state.pend_tokens, rrow)[:, None],
+                                   _rows(state.pend_feats, rrow)[:, None], from_target=True,
+                                   axis_name=plan.draft_axis)
+        return eagle3.qkv(dparams, z)[0][:, 0].astype(jnp.float32)
+
+    def propose_tree(self, plan, dparams, state, active, caps, budget):
+        """:func:`draft_propose_tree`: ``(tree, state, n [B], window [B])``."""
+        t, dcache, ret, n, window = draft_propose_tree(plan, dparams, state, active, caps, budget)
+        return t, state.replace(draft_cache=dcache, retrieval=ret), n, window

@@ -8,8 +8,7 @@ import jax.numpy as jnp
 
 from diffspec_jax import retrieval
 from diffspec_jax.cache import page_view
-from diffspec_jax.engine.state import DecodeState, Plan, _rows
-from diffspec_jax.models import eagle3
+from diffspec_jax.engine.state import DecodeState, Plan
 from pallas_kernels import dispatch
 
 
@@ -28,11 +27,7 @@ def _select_anchors(plan: Plan, tparams, dparams, state: DecodeState) -> jax.Arr
             scores = jax.lax.psum(scores, plan.tp_axis)
         scores = scores / plan.target.num_attention_heads
     else:  # salience: the upcoming root entry's draft query against the chunk key summaries
-        rrow = state.pend_count - 1
-        z, _ = eagle3.entry_inputs(plan.draft, dparams, _rows(state.pend_tokens, rrow)[:, None],
-                                   _rows(state.pend_feats, rrow)[:, None], from_target=True,
-                                   axis_name=plan.draft_axis)
-        q = eagle3.qkv(dparams, z)[0][:, 0].astype(jnp.float32)
+        q = plan.drafter.root_query(plan, dparams, state)
         scores = retrieval.salience_scores(_gather_heads(plan, q, 1), _gather_heads(plan, ret.chunk_sum, 2), root,
                                            c)
     summaries = None if ret.chunk_sum is None else _gather_heads(plan, ret.chunk_sum, 2)

@@ -17,13 +17,15 @@ with a one-hot q, as :func:`diffspec_jax.verification.rejection_accept` expects.
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from diffspec_jax import working_set
-from diffspec_jax.config import DiffSpec, ModelConfig, SpecConfig
+from diffspec_jax.config import ModelConfig, SpecConfig
+from diffspec_jax.engine.drafting import Drafter, Proposal
 from diffspec_jax.engine.state import DecodeState, Plan
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.models import family
@@ -50,18 +52,15 @@ def self_draft_spec(spec: SpecConfig, target: ModelConfig) -> SpecConfig:
         raise ConfigError("self-drafting proposes chains: diffspec_verification_mode='tree' needs an EAGLE-3 draft")
     if not spec.uses_working_cache:
         return spec
-    if isinstance(spec.context, DiffSpec):
-        if spec.context.needs_summaries:
-            raise ConfigError("self-drafting scores chunks with the target's attention: diffspec_scorer='salience' "
-                              "and diffspec_redundancy_weight > 0 need an EAGLE-3 draft's keys")
-        spec.context.layer_for(target)
+    if spec.context.needs_summaries:
+        raise ConfigError("self-drafting scores chunks with the target's attention: diffspec_scorer='salience' "
+                          "and diffspec_redundancy_weight > 0 need an EAGLE-3 draft's keys")
+    spec.context.check_target(target)
     try:
         spec.check_history_budget(sink=True)  # the working set always holds the sink chunk
     except ConfigError as exc:
         raise ConfigError(f"self-drafting always keeps the sink chunk: {exc}") from None
-    if isinstance(spec.context, DiffSpec):
-        return spec.replace(context=dataclasses.replace(spec.context, keep_sink_chunk=True))
-    return spec
+    return spec.replace(context=spec.context.with_sink())
 
 
 def _choose(plan: Plan, key, logits):
@@ -90,7 +89,7 @@ def self_propose(plan: Plan, tparams, state: DecodeState, active, key, depth: in
     depth = plan.k if depth is None else depth
     tcache, length = state.target_cache, state.length
     ws = None
-    if spec.context.policy == "full":
+    if not spec.uses_working_cache:
         cache, start, n, window = tcache, length, length, length
     else:
         chunk = spec.context.chunk_size
@@ -115,3 +114,37 @@ def self_propose(plan: Plan, tparams, state: DecodeState, active, key, depth: in
         tcache = tcache.replace(k=cache.k, v=cache.v)
     q_all = None if qs[0] is None else jnp.stack(qs, axis=1)
     return jnp.stack(drafts, axis=1), q_all, ws, state.retrieval, n, window, tcache
+
+
+@dataclass(frozen=True)
+class SelfDrafter(Drafter):
+    """Self-drafting as a :class:`~diffspec_jax.engine.drafting.Drafter`: its cache is the target's
+    :class:`~diffspec_jax.working_set.WorkingSet` (policies with a working cache; none with ``full``)."""
+
+    name: ClassVar[str] = SELF
+    model: ClassVar[bool] = True
+
+    def spec_for(self, spec: SpecConfig, target: ModelConfig, *, alone: bool) -> SpecConfig:
+        return self_draft_spec(spec, target)
+
+    def label(self, spec: SpecConfig) -> str:
+        return f"{SELF}-{spec.context.policy}"
+
+    def init_cache(self, plan, batch, target_dtype, draft_dtype, pool_rows):
+        if not plan.spec.uses_working_cache:
+            return None
+        return working_set.WorkingSet.create(plan.target, plan.spec, batch, target_dtype, tp=plan.tp)
+
+    def cache_specs(self, plan, dp, tp):
+        return working_set.WorkingSet.specs(plan.target, dp, tp) if plan.spec.uses_working_cache else None
+
+    def propose(self, plan, tparams, dparams, state, active, key, depth: int) -> Proposal:
+        drafts, q, ws, ret, n, window, tcache = self_propose(plan, tparams, state, active, key, depth)
+        return Proposal(drafts, q, state.replace(draft_cache=ws, retrieval=ret, target_cache=tcache), n, window)
+
+    def reset_row(self, plan, state, row):
+        """The row's working set is rebuilt at its first draft."""
+        ws = state.draft_cache
+        if ws is None:
+            return state
+        return state.replace(draft_cache=ws.replace(built=ws.built.at[row].set(working_set.UNBUILT)))

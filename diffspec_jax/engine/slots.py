@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
-from diffspec_jax import working_cache, working_set
+from diffspec_jax import working_cache
 from diffspec_jax.cache import HybridCache
 from diffspec_jax.engine.compile import _Program, init_program, program_specs, sharded_program
 from diffspec_jax.engine.loop import Cadence, DepthControl, LoopState, _cadence_record
@@ -133,9 +133,8 @@ def slot_reset(plan: Plan, state: DecodeState, slot, temperature, top_k, top_p, 
                           score_lse=_set(ret.score_lse, slot, 0), draft_q=_set(ret.draft_q, slot, 0),
                           chunk_sum=None if ret.chunk_sum is None else _set(ret.chunk_sum, slot, 0))
         state = state.replace(retrieval=ret)
-    ws = state.draft_cache
-    if isinstance(ws, working_set.WorkingSet):  # a self-draft's working set is rebuilt at the slot's first draft
-        state = state.replace(draft_cache=ws.replace(built=_set(ws.built, slot, working_set.UNBUILT)))
+    if plan.drafter is not None:  # (a self-draft's working set is rebuilt at the slot's first draft)
+        state = plan.drafter.reset_row(plan, state, slot)
     tc = state.target_cache
     if isinstance(tc, HybridCache):  # recurrent states start from zero (KV rows need no clearing)
         zero = lambda bufs: tuple(_set(b, slot, 0) for b in bufs)  # noqa: E731
@@ -186,8 +185,8 @@ def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState
         length: int32 ``[1]`` the prompt length; limit: int32 ``[]`` the request's token limit; stops: int32
             ``[S]`` its stop ids (``-1`` padded); retrieve: bool ``[]`` run DiffSpec's retrieval after prefill
             now; depth, floor: int32 ``[]`` the adaptive chain depth to start at (ignored without it); context:
-            int32 ``[1, capacity]`` the slot's whole context, zero padded, for the plan's
-            :class:`~diffspec_jax.engine.drafter.Drafter` (``None`` without one).
+            int32 ``[1, capacity]`` the slot's whole context, zero padded, for the plan's drafter when it reads
+            it (:attr:`~diffspec_jax.engine.state.Plan.drafter_context`; else ``None``).
     Returns:
         ``(state, loop, first token int32 [], anchors int32 [1, 1, A])``: the retrieval's anchors as this
         tensor-parallel rank selected them (zeros without DiffSpec), stacked over the ranks by the program's out

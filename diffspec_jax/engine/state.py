@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,10 @@ class DecodeState:
 
     Attributes:
         target_cache: the target :class:`KVCache` (:class:`HybridCache` for hybrid targets).
-        draft_cache: the draft's :class:`DraftCache` (``None`` without a draft); when the target drafts for itself,
-            its :class:`~diffspec_jax.working_set.WorkingSet` (``None`` for the ``full`` policy).
+        draft_cache: the cache the plan's drafter reads through its draft-context policy
+            (:meth:`~diffspec_jax.engine.drafting.Drafter.init_cache`): an EAGLE-3 draft's :class:`DraftCache`, a
+            self-draft's :class:`~diffspec_jax.working_set.WorkingSet` (none without a working cache), else
+            ``None``.
         retrieval: :class:`retrieval.RetrievalState` (``diffspec`` policy only).
         length: int32 ``[B]`` committed target length: positions ``0..length-1`` are valid in the target cache.
         last_token: int32 ``[B]`` the newest emitted token, at position ``length``, not yet run by the target.
@@ -42,12 +44,12 @@ class DecodeState:
         sampling: :class:`~diffspec_jax.sampling.SamplingRows`, each row's own sampling parameters and key (the
             server's slots), or ``None`` (``generate()``: the plan's static :class:`SamplingConfig` and ``rng``
             serve every row).
-        drafter: the plan's :class:`~diffspec_jax.engine.drafter.Drafter`'s own per-row state (batch-first
+        drafter: the plan's :class:`~diffspec_jax.engine.drafting.Drafter`'s own per-row state (batch-first
             arrays; prompt lookup: the token history int32 ``[B, capacity]``), ``None`` without one.
     """
 
     target_cache: KVCache | HybridCache
-    draft_cache: DraftCache | None
+    draft_cache: DraftCache | working_set.WorkingSet | None
     retrieval: retrieval.RetrievalState | None
     length: jax.Array
     last_token: jax.Array
@@ -75,8 +77,7 @@ def shared_pools(state: DecodeState) -> tuple:
     tc, dc = state.target_cache, state.draft_cache
     if not tc.paged:
         return ()
-    store = isinstance(dc, DraftCache) and dc.store_k is not None
-    return (tc.k, tc.v) + ((dc.store_k, dc.store_v) if store else (None, None))
+    return (tc.k, tc.v) + (dc.pools() if dc is not None else (None, None))
 
 
 def strip_pools(state: DecodeState) -> DecodeState:
@@ -84,8 +85,8 @@ def strip_pools(state: DecodeState) -> DecodeState:
     if not state.target_cache.paged:
         return state
     state = state.replace(target_cache=state.target_cache.replace(k=(), v=()))
-    if isinstance(state.draft_cache, DraftCache) and state.draft_cache.store_k is not None:
-        state = state.replace(draft_cache=state.draft_cache.replace(store_k=None, store_v=None))
+    if state.draft_cache is not None:
+        state = state.replace(draft_cache=state.draft_cache.with_pools(None, None))
     return state
 
 
@@ -96,7 +97,7 @@ def with_pools(state: DecodeState, pools: tuple) -> DecodeState:
     k, v, sk, sv = pools
     state = state.replace(target_cache=state.target_cache.replace(k=k, v=v))
     if sk is not None:
-        state = state.replace(draft_cache=state.draft_cache.replace(store_k=sk, store_v=sv))
+        state = state.replace(draft_cache=state.draft_cache.with_pools(sk, sv))
     return state
 
 
@@ -110,18 +111,17 @@ class Plan:
     sampling: SamplingConfig
     aux_layers: tuple[int, ...]
     capacity: int
-    proposer: Callable | None = None
     mesh: Mesh | None = None
     draft_tp: int = 1
-    self_draft: bool = False  # the target drafts for itself over its working set (engine.self_draft)
     #: ``(num_pages, page_size)``: the target's K/V (and the draft's store) live in a pool of pages shared by every
     #: row, addressed through the cache's page table (the server); ``capacity`` is then the page table's reach
     paging: tuple[int, int] | None = None
     #: each row samples with its own parameters and key (``DecodeState.sampling``: the server's request slots);
     #: else every row samples by ``sampling`` (``generate()``)
     row_sampling: bool = False
-    #: a :class:`~diffspec_jax.engine.drafter.Drafter` (prompt lookup), alone or in front of ``draft`` /
-    #: ``self_draft`` (its rows without a proposal take theirs)
+    #: the :class:`~diffspec_jax.engine.drafting.Drafter` that proposes each cycle's drafts
+    #: (:func:`~diffspec_jax.engine.drafter.draft_spec` picks it: the EAGLE-3 draft ``draft``'s, ``"self"``,
+    #: ``"ngram"``, prompt lookup in front of a model draft, ...); ``None``: target-only decoding
     drafter: Any = None
     #: the target cache's storage (:data:`diffspec_jax.config.KV_CACHE_DTYPES`): ``"auto"`` (the model dtype) or
     #: ``"fp8"`` (8-bit rows with per-(token, KV head) scales, :mod:`diffspec_jax.kv_quant`); the draft's store and
@@ -154,7 +154,17 @@ class Plan:
 
     @property
     def speculative(self) -> bool:
-        return self.draft is not None or self.proposer is not None or self.self_draft or self.drafter is not None
+        return self.drafter is not None
+
+    @property
+    def model_draft(self) -> bool:
+        """A model drafts (EAGLE-3 or the target itself), reading the draft-context policy (``spec.context``)."""
+        return self.drafter is not None and self.drafter.model
+
+    @property
+    def drafter_context(self) -> bool:
+        """The drafter reads each prompt's tokens after the prefill (the host sends them)."""
+        return self.drafter is not None and self.drafter.needs_context
 
     @property
     def k(self) -> int:
@@ -162,7 +172,8 @@ class Plan:
 
     @property
     def diffspec(self) -> bool:
-        return (self.draft is not None or self.self_draft) and self.spec.context.policy == "diffspec"
+        """DiffSpec's retrieval runs: a model draft under a policy that retrieves."""
+        return self.model_draft and self.spec.context.retrieves
 
     @property
     def draft_store(self) -> bool:
@@ -186,7 +197,7 @@ class Plan:
     def prefix_namespace(self, target_dtype) -> str:
         """The hash chain's root for this plan's pages: the models, the dtype and the layout, so two plans share a
         cached page only when its K/V (and draft entries) would be the same."""
-        return repr((repr(self.target), repr(self.draft), str(np.dtype(target_dtype)), self.self_draft,
+        return repr((repr(self.target), repr(self.draft), str(np.dtype(target_dtype)), self.model_draft,
                      self.draft_store, self.tp, self.draft_tp, self.kv_cache_dtype))
 
     @property
@@ -248,12 +259,11 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int, po
         tcache = create_paged_cache(tc, batch, num_pages, page_size, plan.capacity // page_size, target_dtype,
                                     tp=plan.tp, kv_cache_dtype=plan.kv_cache_dtype)
         pool_rows = num_pages * page_size
+    drafter = plan.drafter
     return DecodeState(
         target_cache=tcache,
-        draft_cache=DraftCache.create(dc, plan.spec, batch, plan.capacity, draft_dtype, num_kv_heads=kv_d,
-                                      pool_rows=pool_rows)
-        if dc is not None else working_set.WorkingSet.create(tc, plan.spec, batch, target_dtype, tp=plan.tp)
-        if plan.self_draft and plan.spec.uses_working_cache else None,
+        draft_cache=drafter.init_cache(plan, batch, target_dtype, draft_dtype, pool_rows) if drafter is not None
+        else None,
         retrieval=ret,
         length=jnp.zeros((batch,), jnp.int32), last_token=jnp.zeros((batch,), jnp.int32),
         pend_tokens=jnp.zeros((batch, k1), jnp.int32),
@@ -284,12 +294,8 @@ def state_specs(plan: Plan) -> DecodeState:
     tp = sharding.TP
     dtp = tp if plan.draft_tp > 1 else None
     dheads = P(dp, None, dtp, None)
-    dcache = None
-    if plan.draft is not None:
-        store = dheads if plan.spec.uses_working_cache else None
-        dcache = DraftCache(work_k=dheads, work_v=dheads, store_k=store, store_v=store)
-    elif plan.self_draft and plan.spec.uses_working_cache:
-        dcache = working_set.WorkingSet.specs(plan.target, dp, tp)
+    drafter = plan.drafter
+    dcache = drafter.cache_specs(plan, dp, tp) if drafter is not None else None
     ret = None
     if plan.diffspec:
         ret = retrieval.RetrievalState(anchors=P(dp, None), score_q=P(dp, tp, None), score_lse=P(dp, tp),
@@ -302,8 +308,6 @@ def state_specs(plan: Plan) -> DecodeState:
                                 page_size=plan.paging[1])
     if plan.kv_cache_dtype == "fp8":
         tcache = fp8_specs(tcache)
-        if dcache is not None and isinstance(dcache, DraftCache) and dcache.store_k is not None:
-            dcache = dcache.replace(store_k=P(None, None, dtp, None), store_v=P(None, None, dtp, None))
     rows = None
     if plan.row_sampling:
         rows = SamplingRows(temperature=P(dp), top_k=P(dp), top_p=P(dp), key=P(dp, None))
@@ -311,7 +315,7 @@ def state_specs(plan: Plan) -> DecodeState:
                        retrieval=ret,
                        length=P(dp), last_token=P(dp), pend_tokens=P(dp, None), pend_feats=P(dp, None, None),
                        pend_count=P(dp), seq_id=P(dp), rng=P(), sampling=rows,
-                       drafter=plan.drafter.specs(plan, dp) if plan.drafter is not None else None)
+                       drafter=drafter.specs(plan, dp) if drafter is not None else None)
 
 
 def init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int) -> DecodeState:

@@ -1,19 +1,21 @@
 """Cycles: draft -> verify -> accept (chain, tree, or the target alone), pure functions of ``(params, state,
 inputs)``.
 
-Data path of one chain cycle (:func:`_spec_cycle`):
+Data path of one chain cycle (:func:`_spec_cycle`), steps 1 and 2 being the plan's
+:class:`~diffspec_jax.engine.drafting.Drafter`'s :meth:`~diffspec_jax.engine.drafting.Drafter.propose` (here the
+EAGLE-3 drafter's):
 
 1. **Draft step 0.** The entries committed by the previous verification (``pend_*``: token ``x_{t+1}`` paired
    with target aux features ``F_t``) are projected to pre-RoPE K/V (one layer: no attention needed) and stored
    at their absolute positions; for working-cache policies the cache is rebuilt (gather-RoPE-write of the
    history) and the root entry placed at slot ``n``; the root runs attention and proposes ``d_1``.
 2. **Chain.** Steps j = 1..K-1 feed ``(d_j, h2)`` at local position ``n + j``. (Self-drafting runs the target
-   over its working set instead; a plan's :class:`~diffspec_jax.engine.drafter.Drafter`, prompt lookup, proposes
-   from its own state, alone or, on the rows where it finds a proposal, in front of either draft.)
+   over its working set instead; prompt lookup proposes from its own state, alone or, on the rows where it finds a
+   proposal, in front of either draft.)
 3. **Verify.** The target runs ``[last_token, d_1..d_K]`` at positions ``length .. length + K`` in one step,
    returning logits, aux features and (DiffSpec) the scoring layer's queries and LSE.
 4. **Accept.** Greedy or rejection sampling gives ``m`` accepted drafts and the bonus; ``length += m + 1``; the
-   m + 1 verified entries become the next cycle's pending entries (and a Drafter's update); the committed row's
+   m + 1 verified entries become the next cycle's pending entries (and the drafter's update); the committed row's
    query and LSE are kept for retrieval. Hybrid targets (Qwen3.5) verify with per-position state snapshots and the
    family's ``commit`` rolls their DeltaNet conv / recurrent states back to the state after the last accepted token
    (KV needs no rollback: rows beyond the committed length are masked and overwritten).
@@ -21,49 +23,57 @@ Data path of one chain cycle (:func:`_spec_cycle`):
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from diffspec_jax import tree, verification
 from diffspec_jax.cache import move_rows
-from diffspec_jax.engine.propose import draft_propose, draft_propose_tree
-from diffspec_jax.engine.self_draft import self_propose
 from diffspec_jax.engine.state import DecodeState, Plan, _rows, _split
 from diffspec_jax.models import family
 from diffspec_jax.sampling import choose, choose_rows, processed_logprobs, processed_logprobs_rows, split_rows
 
 
+class Cycle(NamedTuple):
+    """One cycle's result (every cycle returns it: chain, tree and target-only).
+
+    Attributes:
+        state: the :class:`DecodeState` after it.
+        emitted: int32 ``[B, K+1]`` each row's accepted drafts and the correction or bonus token (the first
+            ``m + 1`` are real).
+        m: int32 ``[B]`` accepted drafts (0 for inactive rows).
+        n, window: int32 ``[B]`` the draft's history length and rolling-window tokens (zeros without a working
+            cache).
+        drafted: int32 ``[B]`` tokens drafted (the chain's depth, a tree's size, 0 target-only).
+    """
+
+    state: DecodeState
+    emitted: jax.Array
+    m: jax.Array
+    n: jax.Array
+    window: jax.Array
+    drafted: jax.Array
+
+
 def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_rows=None, *,
-                depth: int | None = None):
-    """One draft -> verify -> accept chain cycle.
+                depth: int | None = None) -> Cycle:
+    """One draft -> verify -> accept chain cycle: the plan's drafter proposes, the target verifies.
 
     ``depth`` (static, default K) is the chain length this compilation drafts and verifies; ``depth_rows``
     (int32 ``[B]``, optional) caps each sequence's accepted drafts below it (adaptive depth: a batch runs at its
-    largest depth). Returns ``(state, emitted [B, K+1], m [B], n [B], window [B])``.
+    largest depth).
     """
     rng, k_draft, k_verify = _split(plan, state.rng, 3)
     depth = plan.k if depth is None else depth
-    if plan.drafter is not None:  # a Drafter (engine.drafter): alone, or in front of the draft below
-        mine, q_mine, found = plan.drafter.propose(plan, state, depth)
-    if plan.self_draft:  # the target drafts for itself (engine.self_draft)
-        drafts, q, dcache, ret, n, window, tcache = self_propose(plan, tparams, state, active, k_draft, depth)
-        state = state.replace(target_cache=tcache)
-    elif plan.proposer is not None:
-        drafts, q, dcache, ret, n, window = plan.proposer(plan, dparams, state, active, k_draft)
-        drafts, q = drafts[:, :depth], None if q is None else q[:, :depth]
-    elif plan.draft is not None:
-        drafts, q, dcache, ret, n, window = draft_propose(plan, dparams, state, active, k_draft, depth)
-    else:
-        drafts, q, dcache, ret = mine, q_mine, state.draft_cache, state.retrieval
-        n = window = jnp.zeros_like(state.length)
-    if plan.drafter is not None and (plan.self_draft or plan.draft is not None):
-        drafts, q = _in_front(plan, found, mine, q_mine, drafts, q)
+    p = plan.drafter.propose(plan, tparams, dparams, state, active, k_draft, depth)
+    state, drafts, q = p.state, p.drafts, p.q
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     rows = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), block.shape)
     fam = family(plan.target)
     out, tcache = fam.step(plan.target, tparams, state.target_cache, block, state.length, rows,
-                           aux_layers=plan.aux_layers if plan.draft is not None else (),
-                           score_layer=plan.score_layer, axis_name=plan.tp_axis, snapshots=True)
+                           aux_layers=plan.aux_layers, score_layer=plan.score_layer, axis_name=plan.tp_axis,
+                           snapshots=True)
     if state.sampling is not None:
         state, m, emitted = _accept_rows(state, active, out.logits, drafts, q)
     elif plan.sampling.greedy:
@@ -77,20 +87,9 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
     # rollback: recurrent states after the m + 1 committed tokens (inactive sequences: before the step)
     tcache = fam.commit(plan.target, tcache, out, jnp.where(active, m + 1, 0))
     path = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), m.shape + (depth + 1,))
-    state, emitted, m = _accept(plan, state, active, rng, tcache, dcache, ret, out, m, emitted, path)
-    return state, emitted, m, n, window
-
-
-def _in_front(plan: Plan, found, mine, q_mine, drafts, q):
-    """The drafter's proposal on the rows where it ``found`` one, the draft's on the others (and the q of each:
-    a one-hot q where one of the two drafts deterministically and the other does not)."""
-    merged = jnp.where(found[:, None], mine, drafts)
-    if q_mine is None and q is None:
-        return merged, None
-    one_hot = lambda d: jax.nn.one_hot(d, plan.target.vocab_size, dtype=jnp.float32)  # noqa: E731
-    q_mine = one_hot(mine) if q_mine is None else q_mine
-    q = one_hot(drafts) if q is None else q
-    return merged, jnp.where(found[:, None, None], q_mine, q)
+    state, emitted, m = _accept(plan, state, active, rng, tcache, out, m, emitted, path)
+    drafted = jnp.full_like(m, depth) if depth_rows is None else depth_rows
+    return Cycle(state, emitted, m, p.n, p.window, drafted)
 
 
 def _pad_cols(x: jax.Array, width: int) -> jax.Array:
@@ -100,9 +99,10 @@ def _pad_cols(x: jax.Array, width: int) -> jax.Array:
     return jnp.pad(x, pad)
 
 
-def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, out, m, emitted, path):
+def _accept(plan: Plan, state: DecodeState, active, rng, tcache, out, m, emitted, path):
     """Commit ``m`` accepted tokens + the correction/bonus: lengths, pending draft entries (features of the verify
-    rows ``path [B, m+1 ...]``), the scoring query of the deepest accepted row. ``emitted [B, <= K+1]``."""
+    rows ``path [B, m+1 ...]``), the scoring query of the deepest accepted row, the drafter's update.
+    ``emitted [B, <= K+1]``."""
     k1 = plan.k + 1
     length = state.length
     emitted = _pad_cols(emitted, k1)
@@ -111,6 +111,7 @@ def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, ou
     pend_tokens = jnp.where(col <= m[:, None], emitted, 0)
     keep = lambda new, old: jnp.where(active.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
     last = _rows(path, m)
+    ret = state.retrieval
     if ret is not None and out.score_q is not None:
         ret = ret.replace(score_q=keep(_rows(out.score_q, last), ret.score_q),
                           score_lse=keep(_rows(out.score_lse, last), ret.score_lse))
@@ -118,7 +119,7 @@ def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, ou
     if out.aux is not None:
         feats = _pad_cols(jnp.take_along_axis(out.aux, path[:, :, None], axis=1).astype(feats.dtype), k1)
     state = state.replace(
-        target_cache=tcache, draft_cache=dcache, retrieval=ret, rng=rng,
+        target_cache=tcache, retrieval=ret, rng=rng,
         length=keep(state.length + m + 1, state.length), last_token=keep(bonus, state.last_token),
         pend_tokens=keep(pend_tokens, state.pend_tokens), pend_feats=keep(feats, state.pend_feats),
         pend_count=keep(m + 1, state.pend_count))
@@ -127,16 +128,17 @@ def _accept(plan: Plan, state: DecodeState, active, rng, tcache, dcache, ret, ou
     return state, emitted, m
 
 
-def _tree_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, caps, budget):
-    """One tree cycle: draft tree -> one tree-masked target step -> walk -> move the accepted path's KV rows.
+def _tree_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, caps, budget) -> Cycle:
+    """One tree cycle: draft tree (the EAGLE-3 drafter's
+    :meth:`~diffspec_jax.engine.propose.Eagle3Drafter.propose_tree`) -> one tree-masked target step -> walk -> move
+    the accepted path's KV rows. ``drafted`` is the tree's size.
 
     ``caps`` int32 ``[B, K]`` and ``budget`` int32 ``[B]`` come from the host's branching and budget controllers.
-    Returns ``(state, emitted [B, K+1], m [B], n [B], window [B], tree_size [B])``.
     """
     rng, _, k_verify = _split(plan, state.rng, 3)
     spec = plan.spec
     depth = plan.k
-    t, dcache, ret, n, window = draft_propose_tree(plan, dparams, state, active, caps, budget)
+    t, state, n, window = plan.drafter.propose_tree(plan, dparams, state, active, caps, budget)
     mask = tree.ancestry_mask(t.parents, t.valid, depth)
     rows = jnp.broadcast_to(jnp.arange(t.tokens.shape[1], dtype=jnp.int32), t.tokens.shape)
     fam = family(plan.target)
@@ -153,11 +155,11 @@ def _tree_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, caps, 
     m = jnp.where(active, m, 0)
     path = jnp.where(active[:, None], path, jnp.arange(depth + 1, dtype=jnp.int32)[None, :])
     tcache = move_rows(tcache, state.length, path)
-    state, emitted, m = _accept(plan, state, active, rng, tcache, dcache, ret, out, m, emitted, path)
-    return state, emitted, m, n, window, t.size
+    state, emitted, m = _accept(plan, state, active, rng, tcache, out, m, emitted, path)
+    return Cycle(state, emitted, m, n, window, t.size)
 
 
-def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
+def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active) -> Cycle:
     """Autoregressive baseline: one target step on ``last_token``; same cache machinery.
 
     Deterministic plans (``SpecConfig.deterministic``) run the step as a chain verify block: ``last_token`` and K
@@ -179,7 +181,7 @@ def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active):
     zero = jnp.zeros_like(state.length)
     state = state.replace(target_cache=tcache, rng=rng, length=jnp.where(active, state.length + 1, state.length),
                           last_token=jnp.where(active, tok, state.last_token))
-    return state, tok[:, None], zero, zero, zero
+    return Cycle(state, tok[:, None], zero, zero, zero, zero)
 
 
 # ------------------------------------------------------------------ per-row sampling (DecodeState.sampling)

@@ -34,8 +34,8 @@ from diffspec_jax.models.attention import (DENSE_ATTENTION_MAX_TOKENS, cache_att
                                            run_cache_attention, write_block)
 from diffspec_jax.models import params as tables
 from diffspec_jax.models.layers import (
-    add_residual, apply_rope, attention_dense, causal_mask, embed_lookup, gather_vocab, residual_dtype, rms_norm,
-    rope_cos_sin, swiglu,
+    add_residual, apply_rope, attention_dense, causal_mask, embed_lookup, gather_vocab, layer_boundary,
+    residual_dtype, rms_norm, rope_cos_sin, swiglu,
 )
 from diffspec_jax.models.params import NORM, Linear, Param, is_shape  # noqa: F401 (is_shape re-exported)
 
@@ -391,7 +391,7 @@ def step(config: ModelConfig, params: Params, cache: KVCache, tokens: jax.Array,
         if i == score_layer:
             score_q = jnp.take_along_axis(q.astype(jnp.float32), rows[:, :, None, None], axis=1)
             score_lse = jnp.take_along_axis(lse, rows[:, :, None], axis=1)
-        x = _mlp_block(config, lp, x, axis_name)
+        x = layer_boundary(_mlp_block(config, lp, x, axis_name))
     logits = _lm_head(config, params, x if rows_only else jnp.take_along_axis(x, rows[:, :, None], axis=1),
                       axis_name)
     aux_out = concat_aux(aux, aux_layers, len(params["layers"]))

@@ -65,7 +65,6 @@ from diffspec_jax.engine import memory
 from diffspec_jax.engine.controllers import _RetrievalControl, _ShapeControl
 from diffspec_jax.engine.driver import DEFAULT_BLOCK_CYCLES, _replay, _validate
 from diffspec_jax.engine.drafter import draft_spec, split_draft
-from diffspec_jax.engine.self_draft import SELF
 from diffspec_jax.engine.session import Session, default_session
 from diffspec_jax.engine.state import Plan
 from diffspec_jax.errors import ConfigError, DiffspecError, InputError
@@ -346,8 +345,8 @@ class SlotEngine:
         plan = Plan(target=dataclasses.replace(tc, eos_token_ids=()),
                     draft=draft.config if draft is not None else None, spec=spec, sampling=SamplingConfig(),
                     aux_layers=draft.aux_layers if draft is not None else (), capacity=capacity, paging=(1, psize),
-                    self_draft=self.self_draft, mesh=self.mesh, draft_tp=draft_tp, row_sampling=True,
-                    drafter=self.drafter, kv_cache_dtype=config.kv_cache_dtype)
+                    mesh=self.mesh, draft_tp=draft_tp, row_sampling=True, drafter=self.drafter,
+                    kv_cache_dtype=config.kv_cache_dtype)
         # the params laid out on the mesh (refusing heads that do not divide), before the pool is sized beside them
         self.tparams, self.dparams = session.prepare_params(target, draft, self.mesh, draft_tp)
         ddtype = self.dparams["fc"].dtype if self.dparams else target.dtype
@@ -583,13 +582,7 @@ class SlotEngine:
     def policy(self) -> str:
         """The drafting policy, as metrics label it: ``target-only``, the draft context policy, ``self-`` and the
         self-draft's policy, or a drafter's name (``ngram``; ``ngram+`` before a draft's policy it is in front of)."""
-        if self.self_draft:
-            name = f"{SELF}-{self.spec.context.policy}"
-        elif self.draft is not None:
-            name = self.spec.context.policy
-        else:
-            return self.drafter.name if self.drafter is not None else "target-only"
-        return f"{self.drafter.name}+{name}" if self.drafter is not None else name
+        return self.drafter.label(self.spec) if self.drafter is not None else "target-only"
 
     # ----------------------------------------------------------------------------------------- engine thread
     def _bump(self, key: str, n: int = 1) -> None:
@@ -779,7 +772,7 @@ class SlotEngine:
     def _drafter_context(self, req: Request) -> np.ndarray | None:
         """The slot's whole context, zero padded to the capacity, for the plan's drafter (``None`` without one): a
         prefix cache's reused pages hold no tokens."""
-        if self.drafter is None:
+        if not self.plan.drafter_context:
             return None
         ids = self._context(req)
         out = np.zeros((1, self.capacity), np.int32)

@@ -29,7 +29,7 @@ from typing import Any, Hashable, Sequence
 import numpy as np
 import torch
 
-from diffspec_jax.config import RopeConfig, SpecConfig
+from diffspec_jax.config import DiffSpec, RopeConfig, SpecConfig
 from diffspec_jax.retrieval_control import ADDITIVE, RetrievalControl, RetrievalCounters
 from diffspec_jax.torch_bridge import ops
 from diffspec_jax.torch_bridge.device import resolve_dtype, select_device
@@ -97,8 +97,8 @@ class DiffspecRuntime:
                  device: str | torch.device | None = None):
         if not isinstance(spec, SpecConfig):
             raise BridgeError(f"spec must be a diffspec_jax.SpecConfig, got {type(spec).__name__}")
-        if spec.context.policy != "diffspec":
-            raise BridgeError(f"the torch bridge runtime implements draft_context_policy='diffspec', got "
+        if not spec.context.retrieves:
+            raise BridgeError(f"the torch bridge runtime implements draft_context_policy={DiffSpec.policy!r}, got "
                               f"{spec.context.policy!r}")
         for name, value in (("max_slots", max_slots), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
                             ("head_dim", head_dim)):
