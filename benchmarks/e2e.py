@@ -30,6 +30,12 @@ caches would otherwise set the peak first. Issue 37's case, 64K prompts x batch 
 decode with the dynamic cache and, with ``--peer-compiled``, StaticCache + ``torch.compile`` decode (its prefill
 is the eager one). Its end-to-end latency is prefill + N x its per-token time (batch 1).
 
+``--kv-cache-dtype fp8`` runs every ``generate()`` call on the 8-bit K/V cache (issue 41), e.g. 128K x 8, which does
+not fit in bf16 on one H200::
+
+    python benchmarks/e2e.py --contexts 131072 --batches 8 --new-tokens 64 --methods target --no-device-steps \
+        --kv-cache-dtype fp8 --out OUT/e2e_128k_b8_fp8.json
+
 ``--quick`` runs tiny shapes anywhere (the test suite's smoke test; its timings mean nothing).
 """
 
@@ -71,7 +77,7 @@ def run_method(target, draft, prompts, method: str, args) -> dict:
     """Two ``generate()`` calls (compile, then timed); what a user sees of the second."""
     from diffspec_jax import generate
 
-    kw = dict(max_new_tokens=args.new_tokens, stop_token_ids=())
+    kw = dict(max_new_tokens=args.new_tokens, stop_token_ids=(), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     if method != "target":
         kw["spec"] = _spec(method, args)
     calls = []
@@ -265,6 +271,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device-cycles", action="store_true", help="also time the pipelined device cycles")
     ap.add_argument("--no-device-steps", action="store_true",
                     help="skip the device steps (their caches would set the process's peak memory before generate())")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                    help="generate()'s K/V storage (fp8: issue 41; the device steps keep bf16 caches)")
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--peer-compiled", action="store_true")
     ap.add_argument("--peer-tokens", type=int, default=24)

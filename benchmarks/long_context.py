@@ -213,13 +213,15 @@ def _plans(tc, dcfg, ctx, args):
 
 
 def fill_random(tree, seed: int = 7):
-    """``tree`` with every bf16 leaf of rank >= 3 (caches, pools, stores) replaced by random values, in place."""
+    """``tree`` with every bf16 (or fp8: an 8-bit cache's rows) leaf of rank >= 3 (caches, pools, stores) replaced
+    by random values, in place (an 8-bit cache's float32 scales stay 0: a step's cost does not depend on them)."""
     # keep_unused: x's value is not read, so jit would prune it and its donation with it; the zero buffers, held by
     # the tree until tree_map returns, would then all stay alive beside the random ones (2 x 66.5 GiB at 64K x 8)
     fill = jax.jit(lambda x, key: jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype), donate_argnums=(0,),
                    keep_unused=True)
     key = jax.random.PRNGKey(seed)
-    return jax.tree_util.tree_map(lambda x: fill(x, key) if x.ndim >= 3 and x.dtype == jnp.bfloat16 else x, tree)
+    kinds = (jnp.bfloat16, jnp.float8_e4m3fn)
+    return jax.tree_util.tree_map(lambda x: fill(x, key) if x.ndim >= 3 and x.dtype in kinds else x, tree)
 
 
 @functools.lru_cache(maxsize=None)

@@ -388,7 +388,8 @@ def reference_alone(target, draft, prompts, args) -> dict:
 
 def engine_config(args, max_model_len: int):
     """The child's :class:`EngineConfig`: ``--max-num-seqs`` slots (default ``--clients``), the page pool's
-    options (``--block-size``, ``--num-kv-blocks``, ``--kv-cache-memory-fraction``, ``--no-prefix-caching``)."""
+    options (``--block-size``, ``--num-kv-blocks``, ``--kv-cache-memory-fraction``, ``--no-prefix-caching``,
+    ``--kv-cache-dtype``)."""
     from diffspec_jax.serving.scheduler import EngineConfig
 
     pool = {"kv_cache_memory_fraction": args.kv_cache_memory_fraction} if args.kv_cache_memory_fraction else {}
@@ -396,7 +397,7 @@ def engine_config(args, max_model_len: int):
                         prefill_chunk=args.prefill_chunk, block_cycles=args.block_cycles,
                         max_prefill_per_block=args.max_prefill_per_block, request_timeout=args.timeout_s,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                        prefix_caching=not args.no_prefix_caching, **pool)
+                        prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype, **pool)
 
 
 def _bench_routes(app, engine) -> None:
@@ -491,7 +492,7 @@ def _free_port() -> int:
 
 #: options passed on to every child, and those passed only when set
 CHILD_OPTIONS = ("clients", "requests", "prompt_lens", "new_tokens", "seed", "k", "budget", "chunk", "timeout_s",
-                 "block_size")
+                 "block_size", "kv_cache_dtype")
 CHILD_OPTIONAL = ("prefill_chunk", "block_cycles", "max_prefill_per_block", "num_kv_blocks",
                   "kv_cache_memory_fraction")
 
@@ -980,6 +981,9 @@ def parser() -> argparse.ArgumentParser:
                     help="the server's prompt tokens between two decode blocks while slots decode (default one chunk)")
     pool = ap.add_argument_group("the server's page pool (every workload)")
     pool.add_argument("--block-size", type=int, default=64, help="tokens per K/V page (default 64)")
+    pool.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                      help="the pool's K/V storage (fp8: 8-bit rows, issue 41; run the capacity workload once with "
+                           "each to compare how many requests decode at once)")
     pool.add_argument("--num-kv-blocks", type=int, default=None,
                       help="pages in the pool (default: sized by the device's memory; capacity: the paged run's "
                            "pool, which the fixed-slots run reuses)")

@@ -9,6 +9,10 @@ read under a causal position mask, so a buffer never needs clearing: rows beyond
 hold stale values (rejected drafts, prompt padding) that are overwritten before any query can see them.
 Separate per-layer buffers let XLA update each in place when the cache is donated to ``jit``.
 
+With ``kv_cache_dtype="fp8"`` each K/V buffer is an :class:`~diffspec_jax.kv_quant.Fp8Rows` (e4m3 rows and a float32
+scale per row, of the same leading shape): writes quantize the rows they are given, and every row operation here
+(scatter, page gather, tree move) moves values and scales alike.
+
 Hybrid targets (Qwen3.5: Gated DeltaNet + gated attention) use :class:`HybridCache`: K/V buffers for the
 full-attention layers only, and for each DeltaNet layer its conv state (the last ``kernel - 1`` pre-conv inputs)
 and its recurrent state. Those states are *not* position-indexed: a token that should not count (prompt padding,
@@ -24,6 +28,7 @@ from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from diffspec_jax.config import ModelConfig
+from diffspec_jax.kv_quant import Fp8Rows, dequantize, encode_like, is_fp8, rowwise
 from diffspec_jax.mesh import TP, kv_heads_for
 
 #: key tile of the chunked-prefill attention; cache capacities are rounded up to a multiple of it
@@ -57,15 +62,22 @@ class _LayerBuffers:
         """Positions per sequence (paged: page-table columns x page size)."""
         return self.pages.shape[1] * self.page_size if self.paged else self.k[0].shape[2]
 
-    def gather(self, buf: jax.Array, pos: jax.Array) -> jax.Array:
+    def gather(self, buf: jax.Array | Fp8Rows, pos: jax.Array) -> jax.Array:
         """Rows at absolute positions ``pos [B, N]`` of one layer's buffer as ``[B, H, N, D]`` (zero where
-        ``pos < 0``), through the page table when paged."""
+        ``pos < 0``), through the page table when paged; an 8-bit buffer's rows come dequantized (float32)."""
+        if is_fp8(buf):
+            return dequantize(rowwise(lambda leaf: self.gather(leaf, pos), buf))
         if self.paged:
             rows = page_rows(self.pages, pos, self.page_size, buf.shape[2])
             got = jnp.moveaxis(jnp.take(buf[0], jnp.minimum(rows, buf.shape[2] - 1), axis=1), 0, 1)
         else:
             got = jnp.take_along_axis(buf, jnp.maximum(pos, 0)[:, None, :, None], axis=2)
         return jnp.where((pos >= 0)[:, None, :, None], got, jnp.zeros((), buf.dtype))
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the K/V rows are stored in 8 bits (:mod:`diffspec_jax.kv_quant`)."""
+        return bool(self.k) and is_fp8(self.k[0])
 
     def layer_view(self, buf: jax.Array) -> jax.Array:
         """One layer's buffer as ``[B, Hkv, S, D]`` by absolute position (paged: gathered through the page table,
@@ -97,23 +109,24 @@ class KVCache(_LayerBuffers):
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16,
-               num_kv_heads: int | None = None) -> KVCache:
-        """Zero-filled cache of ``round_capacity(capacity)`` positions per sequence."""
+               num_kv_heads: int | None = None, kv_cache_dtype: str = "auto") -> KVCache:
+        """Zero-filled cache of ``round_capacity(capacity)`` positions per sequence (``kv_cache_dtype="fp8"``: rows
+        in 8 bits, :func:`zero_buffers`)."""
         if config.is_hybrid:
             raise ValueError(f"{config.architecture} is a hybrid model: create its cache with HybridCache.create or "
                              f"diffspec_jax.cache.create_cache")
         shape = (batch, num_kv_heads or config.num_key_value_heads, round_capacity(capacity), config.head_dim)
-        layers = range(config.num_hidden_layers)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers))
+        n = config.num_hidden_layers
+        return cls(k=zero_buffers(shape, dtype, kv_cache_dtype, n), v=zero_buffers(shape, dtype, kv_cache_dtype, n))
 
     @classmethod
     def create_paged(cls, config: ModelConfig, batch: int, num_pages: int, page_size: int, max_pages: int,
-                     dtype=jnp.bfloat16, num_kv_heads: int | None = None) -> KVCache:
+                     dtype=jnp.bfloat16, num_kv_heads: int | None = None, kv_cache_dtype: str = "auto") -> KVCache:
         """Zero-filled pools of ``num_pages`` pages of ``page_size`` rows per layer, and a page table of
         ``batch x max_pages`` entries, all unallocated (``num_pages``)."""
         shape = (1, num_kv_heads or config.num_key_value_heads, num_pages * page_size, config.head_dim)
-        layers = range(config.num_hidden_layers)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in layers), v=tuple(jnp.zeros(shape, dtype) for _ in layers),
+        n = config.num_hidden_layers
+        return cls(k=zero_buffers(shape, dtype, kv_cache_dtype, n), v=zero_buffers(shape, dtype, kv_cache_dtype, n),
                    pages=jnp.full((batch, max_pages), num_pages, jnp.int32), page_size=page_size)
 
 
@@ -150,7 +163,7 @@ class HybridCache(_LayerBuffers):
     @classmethod
     def create(cls, config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16, *,
                num_kv_heads: int | None = None, num_linear_key_heads: int | None = None,
-               num_linear_value_heads: int | None = None) -> HybridCache:
+               num_linear_value_heads: int | None = None, kv_cache_dtype: str = "auto") -> HybridCache:
         """Zero-filled cache (zero conv and recurrent states = the state before the first token)."""
         full, linear = config.full_attention_layers, config.linear_attention_layers
         kv = (batch, num_kv_heads or config.num_key_value_heads, round_capacity(capacity), config.head_dim)
@@ -159,7 +172,8 @@ class HybridCache(_LayerBuffers):
         hv = num_linear_value_heads or config.linear_num_value_heads
         dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
         zeros = lambda shape, dt, n: tuple(jnp.zeros(shape, dt) for _ in range(n))  # noqa: E731
-        return cls(k=zeros(kv, dtype, len(full)), v=zeros(kv, dtype, len(full)),
+        return cls(k=zero_buffers(kv, dtype, kv_cache_dtype, len(full)),
+                   v=zero_buffers(kv, dtype, kv_cache_dtype, len(full)),
                    conv_q=zeros((batch, w, hk, dk), dtype, len(linear)),
                    conv_k=zeros((batch, w, hk, dk), dtype, len(linear)),
                    conv_v=zeros((batch, w, hv, dv), dtype, len(linear)),
@@ -167,31 +181,43 @@ class HybridCache(_LayerBuffers):
                    full_layers=full, linear_layers=linear)
 
 
-def create_cache(config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16, *, tp: int = 1
-                 ) -> KVCache | HybridCache:
+def zero_buffers(shape: tuple[int, ...], dtype, kv_cache_dtype: str, n: int) -> tuple:
+    """``n`` zero K (or V) buffers of ``shape``: arrays of ``dtype`` (``kv_cache_dtype="auto"``), or
+    :class:`~diffspec_jax.kv_quant.Fp8Rows` (``"fp8"``)."""
+    if kv_cache_dtype == "fp8":
+        return tuple(Fp8Rows.zeros(shape) for _ in range(n))
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    return tuple(jnp.zeros(shape, dtype) for _ in range(n))
+
+
+def create_cache(config: ModelConfig, batch: int, capacity: int, dtype=jnp.bfloat16, *, tp: int = 1,
+                 kv_cache_dtype: str = "auto") -> KVCache | HybridCache:
     """The right cache for ``config`` (global shapes for a ``tp``-way tensor-parallel layout: heads that do not
-    divide by ``tp`` are repeated, as :mod:`diffspec_jax.sharding` lays out the projections)."""
+    divide by ``tp`` are repeated, as :mod:`diffspec_jax.sharding` lays out the projections); ``kv_cache_dtype``
+    ``"fp8"`` stores the attention layers' K/V in 8 bits (:mod:`diffspec_jax.kv_quant`)."""
     kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
     if not config.is_hybrid:
-        return KVCache.create(config, batch, capacity, dtype, num_kv_heads=kv)
+        return KVCache.create(config, batch, capacity, dtype, num_kv_heads=kv, kv_cache_dtype=kv_cache_dtype)
     return HybridCache.create(config, batch, capacity, dtype, num_kv_heads=kv,
                               num_linear_key_heads=kv_heads_for(config.linear_num_key_heads, tp,
-                                                                "the target's linear attention"))
+                                                                "the target's linear attention"),
+                              kv_cache_dtype=kv_cache_dtype)
 
 
 def create_paged_cache(config: ModelConfig, batch: int, num_pages: int, page_size: int, max_pages: int,
-                       dtype=jnp.bfloat16, *, tp: int = 1) -> KVCache | HybridCache:
+                       dtype=jnp.bfloat16, *, tp: int = 1, kv_cache_dtype: str = "auto") -> KVCache | HybridCache:
     """The paged cache for ``config``: K/V pools of ``num_pages`` pages of ``page_size`` rows per attention layer,
     a ``batch x max_pages`` page table (all unallocated), and for a hybrid target its per-sequence DeltaNet states
     (those are not position-indexed, so they are never paged)."""
     kv = kv_heads_for(config.num_key_value_heads, tp, "the target")
     if not config.is_hybrid:
-        return KVCache.create_paged(config, batch, num_pages, page_size, max_pages, dtype, num_kv_heads=kv)
+        return KVCache.create_paged(config, batch, num_pages, page_size, max_pages, dtype, num_kv_heads=kv,
+                                    kv_cache_dtype=kv_cache_dtype)
     cache = create_cache(config, batch, 1, dtype, tp=tp)
     pool = (1, kv, num_pages * page_size, config.head_dim)
     n = len(config.full_attention_layers)
-    return cache.replace(k=tuple(jnp.zeros(pool, dtype) for _ in range(n)),
-                         v=tuple(jnp.zeros(pool, dtype) for _ in range(n)),
+    return cache.replace(k=zero_buffers(pool, dtype, kv_cache_dtype, n), v=zero_buffers(pool, dtype, kv_cache_dtype, n),
                          pages=jnp.full((batch, max_pages), num_pages, jnp.int32), page_size=page_size)
 
 
@@ -207,10 +233,14 @@ def page_rows(pages: jax.Array, positions: jax.Array, page_size: int, pool_rows:
     return jnp.where(ok, row, pool_rows).astype(jnp.int32)
 
 
-def page_view(buf: jax.Array, pages: jax.Array, page_size: int, *, heads_first: bool = True) -> jax.Array:
+def page_view(buf: jax.Array | Fp8Rows, pages: jax.Array, page_size: int, *, heads_first: bool = True
+              ) -> jax.Array | Fp8Rows:
     """A pool ``[1, H, N * P, D]`` (``heads_first``) or ``[1, N * P, H, D]`` read as per-sequence buffers
     ``[B, H, max_pages * P, D]`` (or ``[B, max_pages * P, H, D]``) through ``pages [B, max_pages]``; unallocated
-    pages read as some page's rows (never visible: they lie past every committed length)."""
+    pages read as some page's rows (never visible: they lie past every committed length). An 8-bit pool gives an
+    8-bit view (values and scales gathered alike)."""
+    if is_fp8(buf):
+        return rowwise(lambda leaf: page_view(leaf, pages, page_size, heads_first=heads_first), buf)
     n = buf.shape[2 if heads_first else 1] // page_size
     b, m = pages.shape
     idx = jnp.clip(pages, 0, n - 1)
@@ -225,10 +255,21 @@ def page_view(buf: jax.Array, pages: jax.Array, page_size: int, *, heads_first: 
 def write_paged(buf: jax.Array, rows: jax.Array, pages: jax.Array, positions: jax.Array, page_size: int, *,
                 heads_first: bool = True) -> jax.Array:
     """:func:`write_rows` into a pool (``[1, H, N * P, D]`` heads first, or ``[1, N * P, ...]``): ``rows [B, T,
-    ...]`` land at the pool rows of ``positions [B, T]`` (:func:`page_rows`); unallocated ones are dropped."""
+    ...]`` land at the pool rows of ``positions [B, T]`` (:func:`page_rows`); unallocated ones are dropped. An 8-bit
+    pool takes the rows quantized (:func:`diffspec_jax.kv_quant.encode_like`)."""
+    if is_fp8(buf):
+        return rowwise(lambda b, r: write_paged(b, r, pages, positions, page_size, heads_first=heads_first), buf,
+                       encode_like(buf, rows))
     axis = 2 if heads_first else 1
     flat = page_rows(pages, positions, page_size, buf.shape[axis]).reshape(1, -1)
     return write_rows(buf, rows.reshape((1, -1) + rows.shape[2:]), flat, heads_first=heads_first)
+
+
+def fp8_specs(specs: KVCache | HybridCache) -> KVCache | HybridCache:
+    """The specs of an 8-bit cache from a full-precision one's: each K/V buffer's values and scales sharded alike
+    (the scales' last axis of 1 is never split)."""
+    both = lambda spec: Fp8Rows(values=spec, scale=spec)  # noqa: E731
+    return specs.replace(k=tuple(map(both, specs.k)), v=tuple(map(both, specs.v)))
 
 
 def cache_specs(config: ModelConfig, dp: str | None, tp: str | None = TP) -> KVCache | HybridCache:
@@ -249,7 +290,10 @@ def write_rows(buf: jax.Array, rows: jax.Array, positions: jax.Array, *, heads_f
 
     ``buf`` is ``[B, S, ...]``, or ``[B, H, S, D]`` when ``heads_first`` (the target cache; ``rows`` stay
     ``[B, T, H, D]``). A sequence's positions must be distinct (its T rows land on T different rows): the target
-    cache's scatter is declared free of collisions and writes one ``[H, D]`` window per (sequence, row)."""
+    cache's scatter is declared free of collisions and writes one ``[H, D]`` window per (sequence, row). An 8-bit
+    buffer takes the rows quantized (:func:`diffspec_jax.kv_quant.encode_like`)."""
+    if is_fp8(buf):
+        return rowwise(lambda b, r: write_rows(b, r, positions, heads_first=heads_first), buf, encode_like(buf, rows))
     bidx = jnp.broadcast_to(jnp.arange(buf.shape[0])[:, None], positions.shape)
     if heads_first:
         dims = jax.lax.ScatterDimensionNumbers(update_window_dims=(2, 3), inserted_window_dims=(0, 2),
@@ -275,11 +319,12 @@ def move_rows(cache: KVCache | HybridCache, start: jax.Array, src: jax.Array) ->
             rows = jnp.take(buf[0], jnp.minimum(rows_from, buf.shape[2] - 1), axis=1)  # [H, B, R, D]
             return write_paged(buf, jnp.moveaxis(rows, 0, 2), cache.pages, dst, cache.page_size)
 
-        return cache.replace(k=tuple(map(move_paged, cache.k)), v=tuple(map(move_paged, cache.v)))
+        return cache.replace(k=tuple(rowwise(move_paged, b) for b in cache.k),
+                             v=tuple(rowwise(move_paged, b) for b in cache.v))
     idx = (start[:, None] + src)[:, None, :, None]
 
     def move(buf):  # [B, H, S, D]: gather the path's rows as [B, H, R, D], write them back as [B, R, H, D]
         rows = jnp.take_along_axis(buf, jnp.minimum(idx, buf.shape[2] - 1), axis=2)
         return write_rows(buf, jnp.swapaxes(rows, 1, 2), dst, heads_first=True)
 
-    return cache.replace(k=tuple(move(b) for b in cache.k), v=tuple(move(b) for b in cache.v))
+    return cache.replace(k=tuple(rowwise(move, b) for b in cache.k), v=tuple(rowwise(move, b) for b in cache.v))

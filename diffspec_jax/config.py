@@ -819,6 +819,10 @@ VERIFICATION_MODES = ("auto", "linear", "tree")
 KERNEL_CHOICES = ("auto", "reference", "pallas")
 #: the environment variable that gives :attr:`SpecConfig.kernels` its default, read when a SpecConfig is built
 KERNELS_ENV = "DIFFSPEC_KERNELS"
+#: how the target's K/V cache is stored (``generate(kv_cache_dtype=...)``, ``EngineConfig.kv_cache_dtype``,
+#: ``--kv-cache-dtype``): ``"auto"`` = the model's dtype; ``"fp8"`` = ``float8_e4m3fn`` rows with a float32 scale per
+#: (token, KV head) (:mod:`diffspec_jax.kv_quant`): about 1.9x the tokens in the same memory
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 def default_kernels(environ: Mapping[str, str] | None = None) -> str:
@@ -844,6 +848,12 @@ def _choice(choices: tuple[str, ...]) -> Callable[[Any, str], None]:
             shown = repr(value) if isinstance(value, str) else _show(value)
             raise ConfigError(f"{name} must be one of {choices}, got {shown}")
     return check
+
+
+def check_kv_cache_dtype(value: Any, name: str = "kv_cache_dtype") -> str:
+    """``value`` if it is one of :data:`KV_CACHE_DTYPES`, else a :class:`ConfigError` naming them."""
+    _choice(KV_CACHE_DTYPES)(value, name)
+    return value
 
 
 def _mass_gain(value: Any, name: str) -> None:

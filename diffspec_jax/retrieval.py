@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from diffspec_jax.kv_quant import parts
 from pallas_kernels import chunk_scores as chunk_scores_kernel
 from pallas_kernels.common import kernel_backend
 
@@ -59,8 +60,8 @@ def chunk_scores_reference(q: jax.Array, lse: jax.Array | None, k_cache: jax.Arr
     Args:
         q: float32 ``[B, Hq, D]`` post-RoPE query rows; lse: float32 ``[B, Hq]`` from the verify pass, or
             ``None`` to recompute it over positions ``0..r`` (both give the same scores).
-        k_cache: ``[B, Hkv, S, D]`` post-RoPE keys of the scoring layer (the target cache's layout); root: int32
-            ``[B]`` r.
+        k_cache: ``[B, Hkv, S, D]`` post-RoPE keys of the scoring layer (the target cache's layout; or its 8-bit
+            rows, :class:`~diffspec_jax.kv_quant.Fp8Rows`, scaled per key column); root: int32 ``[B]`` r.
         chunk: C (``S`` need not be a multiple; the last chunk is partial).
     Returns:
         float32 ``[B, ceil(S / C)]``: mean probability per valid token of each chunk, averaged over query heads;
@@ -76,8 +77,11 @@ def head_sum_scores(q: jax.Array, lse: jax.Array | None, k_cache: jax.Array, roo
     hkv, s_len = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
     scale = d ** -0.5
+    values, ks = parts(k_cache)
     logits = jnp.einsum("bkgd,bksd->bkgs", q.reshape(b, hkv, g, d).astype(jnp.float32),
-                        k_cache.astype(jnp.float32)) * scale
+                        values.astype(jnp.float32)) * scale
+    if ks is not None:  # 8-bit keys: (q . k8) * s_k per key column
+        logits = logits * ks[:, :, None, :, 0]
     valid = jnp.arange(s_len)[None, :] <= root[:, None]  # [B, S]
     if lse is None:
         lse = jax.nn.logsumexp(jnp.where(valid[:, None, None, :], logits, -jnp.inf), axis=-1).reshape(b, hq)
@@ -94,7 +98,8 @@ def run_chunk_scores(q, lse, k_cache, root, *, chunk):
     """:func:`head_sum_scores` by :func:`pallas_kernels.chunk_scores.chunk_scores` (the Pallas backend, chunks of
     a power-of-two size, ``lse`` given) or by the reference."""
     if kernel_backend() == "pallas" and chunk & (chunk - 1) == 0 and lse is not None:
-        return chunk_scores_kernel.chunk_scores(q, lse, k_cache, root, chunk=chunk)
+        values, ks = parts(k_cache)
+        return chunk_scores_kernel.chunk_scores(q, lse, values, root, chunk=chunk, k_scale=ks)
     return head_sum_scores(q, lse, k_cache, root, chunk)
 
 

@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                               max_prefill_per_block=args.max_prefill_per_block, max_waiting=args.max_waiting,
                               request_timeout=args.request_timeout, block_size=args.block_size,
                               num_kv_blocks=args.num_kv_blocks, kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                              prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tp)
+                              prefix_caching=not args.no_prefix_caching, tensor_parallel_size=args.tp,
+                              kv_cache_dtype=args.kv_cache_dtype)
         template = read_text(args.chat_template, "chat template", error=ConfigError) if args.chat_template else None
         try:
             from diffspec_jax.serving.app import check_chat_template, create_app

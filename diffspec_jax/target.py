@@ -26,7 +26,7 @@ from checkpoints_tools import hf, orbax_io
 from diffspec_jax import cache as caches
 from diffspec_jax import sharding, stopping
 from diffspec_jax.cache import HybridCache, KVCache
-from diffspec_jax.config import ModelConfig, check_eos_ids
+from diffspec_jax.config import ModelConfig, check_eos_ids, check_kv_cache_dtype
 from diffspec_jax.errors import ConfigError, InputError, IntegrityError
 from diffspec_jax.models import attention, family, llama
 from diffspec_jax.models import params as tables
@@ -272,9 +272,12 @@ def commit(model: TargetModel, cache, out, keep) -> Any:
     return family(model.config).commit(model.config, cache, out, jnp.asarray(keep, jnp.int32))
 
 
-def create_cache(model: TargetModel, batch: int, capacity: int, dtype=None) -> KVCache | HybridCache:
-    """An empty cache of the right kind for ``model`` (:class:`KVCache` or :class:`HybridCache`)."""
-    return caches.create_cache(model.config, batch, capacity, model.dtype if dtype is None else dtype)
+def create_cache(model: TargetModel, batch: int, capacity: int, dtype=None, *, kv_cache_dtype: str = "auto"
+                 ) -> KVCache | HybridCache:
+    """An empty cache of the right kind for ``model`` (:class:`KVCache` or :class:`HybridCache`); ``kv_cache_dtype``
+    ``"fp8"``: its K/V rows in 8 bits (:mod:`diffspec_jax.kv_quant`)."""
+    return caches.create_cache(model.config, batch, capacity, model.dtype if dtype is None else dtype,
+                               kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
 
 
 def default_prefill_chunk(batch: int) -> int:

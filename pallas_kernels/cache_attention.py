@@ -136,10 +136,13 @@ def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: in
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps, block, tiles_per_split, splits,
-            seq_len, head_dim, cols, scale, precision, causal, page_size, deterministic):
+            seq_len, head_dim, cols, scale, precision, causal, page_size, deterministic, fp8):
     from jax.experimental.pallas import triton as plgpu
 
-    pt_ref, (o_ref, m_ref, l_ref) = (refs[0], refs[1:]) if page_size else (None, refs)
+    refs = list(refs)
+    pt_ref = refs.pop(0) if page_size else None
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if fp8 else (None, None)
+    o_ref, m_ref, l_ref = refs
 
     b, gr, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, rb = gr // row_blocks, gr % row_blocks
@@ -172,7 +175,11 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
         sb, row = where(pos, visible)
         k = plgpu.load(k_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
         v = plgpu.load(v_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
-        return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision)
+        ks = vs = None
+        if fp8:                                           # 8-bit rows: one float32 scale per row, 0 if not visible
+            ks = plgpu.load(ks_ref.at[sb, g, row, 0], mask=visible, other=0.0)
+            vs = plgpu.load(vs_ref.at[sb, g, row, 0], mask=visible, other=0.0)
+        return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision, k_scale=ks, v_scale=vs)
 
     def body(i, carry):                                   # the committed prefix: rows < length
         pos = first + i * block + jnp.arange(block)
@@ -205,9 +212,16 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "block", "splits", "max_rows", "num_warps",
                                              "num_stages", "page_size", "deterministic"))
 def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits=None, max_rows=128,
-                    num_warps=None, num_stages=None, pages=None, page_size=0, deterministic=False):
+                    num_warps=None, num_stages=None, pages=None, page_size=0, deterministic=False, k_scale=None,
+                    v_scale=None):
     """Attention of new queries over the committed prefix of a heads-first KV cache (see the module docstring
     for shapes, dtypes and semantics).
+
+    8-bit caches: ``k``, ``v`` in ``float8_e4m3fn`` with ``k_scale``, ``v_scale`` float32 ``[B, Hkv, S, 1]`` (or
+    ``[1, Hkv, N * P, 1]`` pools), one scale per row (:mod:`diffspec_jax.kv_quant`). The kernel loads the 8-bit
+    rows and their scales, upcasts the rows to q's dtype in registers (exact) and applies the scales to the
+    logits' and the probabilities' columns: ``(q . k8) * s_k``, ``(p * s_v) @ v8``. Nothing is dequantized in
+    device memory.
 
     Paged caches: ``k``, ``v`` are pools ``[1, Hkv, N * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
     sequence b's position p to pool row ``pages[b, p // P] * P + p % P`` (``page_size`` = P, static); the kernel
@@ -231,6 +245,11 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
         raise ValueError("cache_attention: page_size without pages")
     if hq % hkv or k.shape != v.shape or k.shape[0] != (1 if pages is not None else b) or k.shape[3] != d:
         raise ValueError(f"cache_attention: q {q.shape} does not fit k {k.shape} / v {v.shape}")
+    fp8 = k_scale is not None
+    if fp8 and (v_scale is None or k_scale.shape != k.shape[:3] + (1,) or v_scale.shape != k_scale.shape):
+        got = tuple(None if x is None else x.shape for x in (k_scale, v_scale))
+        raise ValueError(f"cache_attention: 8-bit k {k.shape} needs k_scale and v_scale of shape {k.shape[:3] + (1,)}, "
+                         f"got {got}")
     group = hq // hkv
     lengths = lengths.astype(jnp.int32)
     if causal and t == 1 and not deterministic:  # a decode step: its one query sees rows < length + 1, the plain
@@ -241,9 +260,11 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     stages = default_tiling(32 if deterministic else rows, pages is not None)[1]  # deterministic: a verify tiling
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
                                tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d,
-                               cols=next_pow2(d, 16), scale=scale, precision=dot_precision(k.dtype), causal=causal,
-                               page_size=page_size if pages is not None else 0, deterministic=deterministic)
-    extra = () if pages is None else (pages.astype(jnp.int32),)
+                               cols=next_pow2(d, 16), scale=scale, precision=dot_precision(q.dtype if fp8 else k.dtype),
+                               causal=causal, page_size=page_size if pages is not None else 0,
+                               deterministic=deterministic, fp8=fp8)
+    extra = (() if pages is None else (pages.astype(jnp.int32),)) + (
+        (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if fp8 else ())
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv * row_blocks, splits),

@@ -3,8 +3,9 @@
 Inputs:
     q: float32 ``[B, Hq, D]`` post-RoPE query rows of the scoring layer (the last committed position).
     lse: float32 ``[B, Hq]`` their log-sum-exp over positions ``0..r`` (from the verify pass).
-    k_cache: ``[B, Hkv, S, D]`` post-RoPE keys of that layer (the target cache's layout; bf16 or float32),
-        ``Hq % Hkv == 0``.
+    k_cache: ``[B, Hkv, S, D]`` post-RoPE keys of that layer (the target cache's layout; bf16 or float32, or
+        ``float8_e4m3fn`` with ``k_scale`` float32 ``[B, Hkv, S, 1]``, one scale per row: the logits are then
+        ``(q . k8) * k_scale``, the 8-bit rows upcast to bf16 in registers), ``Hq % Hkv == 0``.
     root: int32 ``[B]`` the root position r; keys past it contribute nothing.
     chunk: C, a power of two.
 Output:
@@ -32,10 +33,11 @@ from jax.experimental import pallas as pl
 from pallas_kernels.common import call_options, dot_precision, matmul, next_pow2
 
 
-def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, tiles, chunk, seq_len, group, head_dim, num_chunks,
-            precision):
+def _kernel(q_ref, lse_ref, k_ref, root_ref, *refs, block, tiles, chunk, seq_len, group, head_dim, num_chunks,
+            precision, fp8):
     from jax.experimental.pallas import triton as plgpu
 
+    ks_ref, out_ref = refs if fp8 else (None, refs[0])
     b, t, g = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     root = plgpu.load(root_ref.at[b])
     rows = jnp.arange(next_pow2(group, 16))
@@ -51,7 +53,11 @@ def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, tiles, chunk, se
         pos = start + jnp.arange(block)
         visible = (pos <= root) & (pos < seq_len)  # masked-off rows are not read
         k = plgpu.load(k_ref.at[b, g, pos[:, None], d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
+        if fp8:
+            k = k.astype(jnp.bfloat16)
         logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * (head_dim ** -0.5)
+        if fp8:
+            logits = logits * plgpu.load(ks_ref.at[b, g, pos, 0], mask=visible, other=0.0)[None, :]
         p = jnp.where(in_group[:, None] & visible[None, :], jnp.exp(logits - lse[:, None]), 0.0)
         sums = jnp.sum(jnp.sum(p, axis=0).reshape(per_tile, chunk), axis=1)
         chunk_ids = start // chunk + jnp.arange(per_tile)
@@ -64,8 +70,9 @@ def _kernel(q_ref, lse_ref, k_ref, root_ref, out_ref, *, block, tiles, chunk, se
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "block", "tiles"))
-def chunk_scores(q, lse, k_cache, root, *, chunk, block=128, tiles=8):
-    """Head-summed chunk scores (see the module docstring for shapes, dtypes and semantics)."""
+def chunk_scores(q, lse, k_cache, root, *, chunk, block=128, tiles=8, k_scale=None):
+    """Head-summed chunk scores (see the module docstring for shapes, dtypes and semantics; ``k_scale`` with
+    8-bit keys)."""
     b, hq, d = q.shape
     hkv, s = k_cache.shape[1], k_cache.shape[2]
     if chunk & (chunk - 1):
@@ -74,12 +81,14 @@ def chunk_scores(q, lse, k_cache, root, *, chunk, block=128, tiles=8):
     tiles = max(1, min(tiles, -(-s // block)))
     num_chunks = -(-s // chunk)
     kernel = functools.partial(_kernel, block=block, tiles=tiles, chunk=chunk, seq_len=s, group=hq // hkv,
-                               head_dim=d, num_chunks=num_chunks, precision=dot_precision(k_cache.dtype))
+                               head_dim=d, num_chunks=num_chunks, fp8=k_scale is not None,
+                               precision=dot_precision(jnp.bfloat16 if k_scale is not None else k_cache.dtype))
+    extra = () if k_scale is None else (k_scale.astype(jnp.float32),)
     per_head = pl.pallas_call(
         kernel,
         grid=(b, pl.cdiv(s, block * tiles), hkv),
         out_shape=jax.ShapeDtypeStruct((b, hkv, num_chunks), jnp.float32),
         name="chunk_scores",
         **call_options(num_warps=4, num_stages=3),
-    )(q.astype(jnp.float32), lse.astype(jnp.float32), k_cache, root.astype(jnp.int32))
+    )(q.astype(jnp.float32), lse.astype(jnp.float32), k_cache, root.astype(jnp.int32), *extra)
     return jnp.sum(per_head, axis=1)

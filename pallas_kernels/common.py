@@ -141,7 +141,7 @@ def matmul(a, b, *, trans_b: bool = False, precision=None):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def online_softmax_step(carry, q, k, v, visible, *, scale, precision):
+def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=None, v_scale=None):
     """One key tile of an online softmax, inside a kernel (float32 statistics).
 
     Args:
@@ -151,17 +151,25 @@ def online_softmax_step(carry, q, k, v, visible, *, scale, precision):
         visible: bool, broadcastable to ``[R, N]``: which (row, key) pairs count. Invisible keys get no weight,
             so their values must be finite (load them masked, as zeros).
         scale: softmax scale; precision: :func:`dot_precision` of the operands.
+        k_scale, v_scale: float32 ``[N]`` per-row scales of 8-bit keys and values (``float8_e4m3fn`` k, v, upcast
+            exactly to q's dtype in registers): the logits are ``(q . k) * scale * k_scale`` per key column and
+            the value product ``(p * v_scale) @ v`` (``None``: full-precision k, v).
     Returns:
-        The updated carry; probabilities are cast to ``v.dtype`` for the ``p @ v`` product.
+        The updated carry; probabilities are cast to ``v.dtype`` (q's for 8-bit values) for the ``p @ v`` product.
     """
     acc, m, l = carry
+    if k_scale is not None:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
     logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * scale
+    if k_scale is not None:
+        logits = logits * k_scale[None, :]
     logits = jnp.where(visible, logits, NEG)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
     p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=1)
-    acc = acc * corr[:, None] + matmul(p.astype(v.dtype), v, precision=precision)
+    pv = p if v_scale is None else p * v_scale[None, :]
+    acc = acc * corr[:, None] + matmul(pv.astype(v.dtype), v, precision=precision)
     return acc, m_new, l
 
 

@@ -596,3 +596,15 @@ def test_paged_steps_helpers():
     assert t["paged_decode_64k_b1_le_1.05x"]["met"] and not t["paged_verify_64k_b1_le_1.05x"]["met"]
     pre = t["paged_prefill_64k_width_65536_le_1.05x_generate"]
     assert pre["value"] == pytest.approx(3.3 / 3.2) and pre["met"] and pre["paged_over_contiguous"] == 1.01
+    # issue 41's variants and lines: fp8 steps over the bf16 one at 128K x 1; 128K x 8 running where bf16 did not
+    assert paged_steps.variants_of("paged", "auto,fp8") == ("paged", "paged-fp8")
+    with pytest.raises(ValueError):
+        paged_steps.variants_of("paged", "int4")
+    cells = [{"context": c, "batch": b, "variants": v, "errors": e, "decode_step_s": d}
+             for c, b, v, e, d in ((131072, 1, ["paged", "paged-fp8"], {}, {"paged": 2.0, "paged-fp8": 1.2}),
+                                   (32768, 8, ["paged-fp8"], {}, {"paged-fp8": 1.6}),
+                                   (131072, 8, ["paged-fp8"], {"paged": "OOM"}, {"paged-fp8": 9.0}))]
+    t = paged_steps.fp8_targets(cells)
+    assert t["paged-fp8_decode_128k_b1_le_0.75x_bf16_128k_b1"]["met"]
+    assert not t["paged-fp8_decode_32k_b8_le_0.75x_bf16_128k_b1"]["met"]
+    assert t["paged-fp8_runs_128k_b8"] == {"value": True, "met": True, "bf16_error": "OOM"} and len(t) == 3

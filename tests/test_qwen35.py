@@ -310,3 +310,13 @@ def test_server_slots_reuse_clears_recurrent_state(q35_targets, q35_draft, q35_b
         assert [r.tokens for r in reqs] == [t[:NEW] for t in q35_baseline]
     finally:
         engine.stop()
+
+
+def test_fp8_cache_speculation_equals_target_only(q35_targets, q35_draft):
+    """The 8-bit K/V cache on the hybrid target (its attention layers' K/V in fp8 pages, the DeltaNet states as
+    they are): greedy speculation with DiffSpec retrieval returns target-only decoding on the same fp8 cache."""
+    model = q35_targets["causal", "fused"]
+    spec = SpecConfig.from_flat(dict(draft_context_policy="diffspec", **SPEC))
+    kw = dict(max_new_tokens=12, stop_token_ids=(), kv_cache_dtype="fp8")
+    alone = generate(model, None, PROMPTS[:2], **kw).tokens
+    assert generate(model, q35_draft, PROMPTS[:2], spec=spec, page_size=16, **kw).tokens == alone

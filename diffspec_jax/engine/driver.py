@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from diffspec_jax import sharding
 from diffspec_jax.cache import round_capacity
-from diffspec_jax.config import SamplingConfig, SpecConfig
+from diffspec_jax.config import SamplingConfig, SpecConfig, check_kv_cache_dtype
 from diffspec_jax.engine import memory
 from diffspec_jax.engine.compile import CompileClock, capacity_bucket, enable_compilation_cache, param_spec_key
 from diffspec_jax.engine.controllers import ShapeControl
@@ -251,7 +251,8 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
              block_cycles: int | None = None, stop: Sequence[str] | str | None = None, tokenizer: Any = None,
              skip_special_tokens: bool = True,
              on_text: Callable[[int, str], None] | None = None, session: Session | None = None,
-             page_size: int | None = None, prefix_cache: PrefixCache | None = None) -> GenerateResult:
+             page_size: int | None = None, prefix_cache: PrefixCache | None = None,
+             kv_cache_dtype: str = "auto") -> GenerateResult:
     """Generate continuations of ``prompts`` with speculative decoding (or the target alone when ``draft=None``).
 
     Args:
@@ -304,6 +305,9 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
         prefix_cache: a :class:`~diffspec_jax.engine.prefix_cache.PrefixCache` (paged, its page size): each prompt
             reuses the full pages that earlier calls with it computed for the same leading tokens and is prefilled
             from there; this call's pages stay in it (``stats.cached_tokens`` says how many tokens each reused).
+        kv_cache_dtype: the target's K/V storage, ``"auto"`` (default: the model's dtype) or ``"fp8"``
+            (``float8_e4m3fn`` rows with a float32 scale per token and KV head, dequantized inside attention:
+            :mod:`diffspec_jax.kv_quant`); speculation stays lossless relative to the target run on the same cache.
     Returns:
         :class:`GenerateResult` with ``.tokens``, ``.stats``, ``.finish_reasons`` and ``.texts``.
     Raises:
@@ -318,7 +322,7 @@ def generate(target: TargetModel, draft, prompts: Sequence[Sequence[int]], *, ma
                     prefill_chunk=prefill_chunk, on_tokens=on_tokens, progress=progress, proposer=proposer, mesh=mesh,
                     block_cycles=block_cycles, stop=stop, tokenizer=tokenizer,
                     skip_special_tokens=skip_special_tokens, on_text=on_text, session=session)  # 1. validate
-    plan = _plan(target, req, page_size, prefix_cache)  # 2. plan: capacity, paging, programs, memory
+    plan = _plan(target, req, page_size, prefix_cache, kv_cache_dtype)  # 2. plan: capacity, paging, programs, memory
     call = _prepare(target, req, plan, prefix_cache, t_call)
     state = _prefill(call)  # 3. prefill, the first tokens, the retrieval after prefill
     state, tally = _decode(call, state)  # 4. decode blocks
@@ -415,7 +419,8 @@ def _validate(target: TargetModel, draft, prompts, *, max_new_tokens, spec, samp
                     progress=progress)
 
 
-def _plan(target: TargetModel, req: _Request, page_size: int | None, prefix_cache: PrefixCache | None) -> Plan:
+def _plan(target: TargetModel, req: _Request, page_size: int | None, prefix_cache: PrefixCache | None,
+          kv_cache_dtype: str = "auto") -> Plan:
     """Step 2 of :func:`generate`: the run's :class:`Plan`: its cache capacity (what the longest prompt with
     ``max_new_tokens`` needs, :func:`~diffspec_jax.engine.rules.positions_needed`, bucketed; or ``max_cache_len``)
     and paging."""
@@ -441,7 +446,8 @@ def _plan(target: TargetModel, req: _Request, page_size: int | None, prefix_cach
     paging = _paging(page_size, capacity, len(req.prompts), req.mesh)
     if prefix_cache is not None:
         paging = (prefix_cache.num_pages, page_size)
-    return dataclasses.replace(plan, capacity=capacity, paging=paging)
+    return dataclasses.replace(plan, capacity=capacity, paging=paging,
+                               kv_cache_dtype=check_kv_cache_dtype(kv_cache_dtype))
 
 
 def _prepare(target: TargetModel, req: _Request, plan: Plan, prefix_cache: PrefixCache | None,

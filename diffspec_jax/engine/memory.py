@@ -21,6 +21,8 @@ size, ``M`` = MLP width (``I``, or ``top_k x I + shared`` for MoE), ``r`` = the 
     attention    = it * (2H + 2Q + 2 Hq D) + 4 * 2 Hq (D + 1)  norm, q/k/v before and after RoPE (Q = their
                                                                width), the block and prefix outputs; float32 merge
                    [+ 4 * Hq * (2 tile + D + 2) on the tiled reference loop: float32 scores of one key tile]
+                   [+ 8 * Hq * (D + 2) with an fp8 cache on the flash path: the prefix kernel's float32 partial
+                    output and statistics, and their merge (:mod:`diffspec_jax.kv_quant`)]
                    [hybrids: at least it * (2H + 2 Ql) + 4 * Hv * (8 max(Dk, Dv) + 2 C), Gated DeltaNet's
                     projections (Ql wide) and its chunked form's float32 q, k, v, decayed copies, u, w and
                     output over Hv value heads, and [C, C] intra-chunk matrices (C = DELTA_CHUNK)]
@@ -147,10 +149,11 @@ def page_bytes(plan: Plan, target_dtype, draft_dtype) -> int:
 
 def prefill_token_bytes(target: ModelConfig, draft: DraftConfig | None = None, aux_layers: int = 0, *,
                         itemsize: int = 2, draft_itemsize: int | None = None, flash: bool = True,
-                        tp: int = 1) -> int:
+                        tp: int = 1, fp8: bool = False) -> int:
     """Bytes one token of a prefill chunk keeps live at the chunk's peak (the module docstring's formula);
     ``aux_layers``: target layers whose inputs the draft reads; ``flash``: attention on a flash kernel (else the
-    tiled reference loop's float32 scores count); ``tp``: tensor-parallel shards (heads and MLP split)."""
+    tiled reference loop's float32 scores count); ``tp``: tensor-parallel shards (heads and MLP split); ``fp8``: an
+    8-bit K/V cache (on the flash path its prefix attention runs the cache kernel, whose partials count)."""
     c, it = target, int(itemsize)
     h, d = c.hidden_size, c.head_dim
     hq, hkv = max(1, c.num_attention_heads // tp), max(1, c.num_key_value_heads // tp)
@@ -166,6 +169,8 @@ def prefill_token_bytes(target: ModelConfig, draft: DraftConfig | None = None, a
         attn = max(attn, delta)
     if not flash:
         attn += 4 * hq * (2 * _TILE + d + 2)
+    elif fp8:
+        attn += 8 * hq * (d + 2)
     if c.is_hybrid and c.num_experts:
         k = max(1, c.num_experts_per_tok)
         mlp = it * (2 * k * h + 3 * (k * c.intermediate_size + c.shared_expert_intermediate_size) // tp) \
@@ -287,7 +292,8 @@ def plan_memory(plan: Plan, lengths, prefill_chunk: int | None, tparams, dparams
     itemsize = np.dtype(target_dtype).itemsize
     flash = attention.fast_path() and (jax.default_backend() != "gpu" or itemsize == 2)
     token = prefill_token_bytes(tc, plan.draft, len(plan.aux_layers), itemsize=itemsize,
-                                draft_itemsize=np.dtype(draft_dtype).itemsize, flash=flash, tp=plan.tp)
+                                draft_itemsize=np.dtype(draft_dtype).itemsize, flash=flash, tp=plan.tp,
+                                fp8=plan.kv_cache_dtype == "fp8")
     local = max(1, batch // plan.dp)
     chunk = prefill_chunk
     if chunk is None:

@@ -50,6 +50,7 @@ from diffspec_jax.engine.retrieve import _retrieve
 from diffspec_jax.engine.rules import positions_needed
 from diffspec_jax.engine.state import DecodeState, Plan, _init_state, shared_pools, strip_pools, with_pools
 from diffspec_jax.errors import ConfigError
+from diffspec_jax.kv_quant import rowwise
 from diffspec_jax.models import eagle3
 from diffspec_jax.sampling import SamplingRows
 
@@ -75,7 +76,8 @@ def _put_window(cache, rows, slot, start, width: int):
         piece = jax.lax.dynamic_slice(row, (0, 0, at, 0), (1, row.shape[1], width, row.shape[3]))
         return jax.lax.dynamic_update_slice(buf, piece.astype(buf.dtype), (slot, 0, at, 0))
 
-    k, v = tuple(map(window, cache.k, rows.k)), tuple(map(window, cache.v, rows.v))
+    k = tuple(rowwise(window, b, r) for b, r in zip(cache.k, rows.k))  # (an 8-bit buffer: values and scales alike)
+    v = tuple(rowwise(window, b, r) for b, r in zip(cache.v, rows.v))
     return _put(cache.replace(k=(), v=()), rows.replace(k=(), v=()), slot).replace(k=k, v=v)
 
 

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from diffspec_jax import retrieval, sharding, working_set
-from diffspec_jax.cache import HybridCache, KVCache, create_cache, create_paged_cache
+from diffspec_jax.cache import HybridCache, KVCache, create_cache, create_paged_cache, fp8_specs
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.models import family
 from diffspec_jax.sampling import SamplingRows
@@ -123,6 +123,10 @@ class Plan:
     #: (:func:`~diffspec_jax.engine.drafter.draft_spec` picks it: the EAGLE-3 draft ``draft``'s, ``"self"``,
     #: ``"ngram"``, prompt lookup in front of a model draft, ...); ``None``: target-only decoding
     drafter: Any = None
+    #: the target cache's storage (:data:`diffspec_jax.config.KV_CACHE_DTYPES`): ``"auto"`` (the model dtype) or
+    #: ``"fp8"`` (8-bit rows with per-(token, KV head) scales, :mod:`diffspec_jax.kv_quant`); the draft's store and
+    #: working cache, and the self-draft's working set, stay in the model dtype
+    kv_cache_dtype: str = "auto"
 
     @property
     def kernels(self) -> str:
@@ -200,7 +204,7 @@ class Plan:
         """The hash chain's root for this plan's pages: the models, the dtype and the layout, so two plans share a
         cached page only when its K/V (and draft entries) would be the same."""
         return repr((repr(self.target), repr(self.draft), str(np.dtype(target_dtype)), self.model_draft,
-                     self.draft_store, self.tp, self.draft_tp))
+                     self.draft_store, self.tp, self.draft_tp, self.kv_cache_dtype))
 
     @property
     def score_layer(self) -> int | None:
@@ -253,13 +257,14 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int, po
             chunk_sum=(jnp.zeros((batch, plan.num_chunks, kv_d, dc.head_dim), jnp.float32)
                        if plan.spec.context.needs_summaries else None))
     if plan.paging is None:
-        tcache, pool_rows = create_cache(tc, batch, plan.capacity, target_dtype, tp=plan.tp), None
+        tcache = create_cache(tc, batch, plan.capacity, target_dtype, tp=plan.tp, kv_cache_dtype=plan.kv_cache_dtype)
+        pool_rows = None
     else:
         num_pages, page_size = plan.paging if pools else (0, plan.paging[1])  # (no pools: the caller has them)
         if plan.capacity % page_size:
             raise ValueError(f"a paged capacity ({plan.capacity}) must be whole pages of {page_size}")
         tcache = create_paged_cache(tc, batch, num_pages, page_size, plan.capacity // page_size, target_dtype,
-                                    tp=plan.tp)
+                                    tp=plan.tp, kv_cache_dtype=plan.kv_cache_dtype)
         pool_rows = num_pages * page_size
     drafter = plan.drafter
     return DecodeState(
@@ -308,6 +313,8 @@ def state_specs(plan: Plan) -> DecodeState:
         pool = P(None, tp, None, None)
         tcache = tcache.replace(k=(pool,) * len(tcache.k), v=(pool,) * len(tcache.v), pages=P(dp, None),
                                 page_size=plan.paging[1])
+    if plan.kv_cache_dtype == "fp8":
+        tcache = fp8_specs(tcache)
     rows = None
     if plan.row_sampling:
         rows = SamplingRows(temperature=P(dp), top_k=P(dp), top_p=P(dp), key=P(dp, None))

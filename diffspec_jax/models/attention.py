@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
 from diffspec_jax.cache import ATTENTION_TILE, page_view, write_paged, write_rows
+from diffspec_jax.kv_quant import dequantize, encode_like, is_fp8, parts, rowwise
 from diffspec_jax.models.layers import NEG_INF, attention_dense, attention_prefix, attention_tiled, merge_attention
 from pallas_kernels import cache_attention as cache_attention_kernel
 from pallas_kernels.common import deterministic, kernel_backend
@@ -70,10 +71,13 @@ def run_cache_attention(q, k, v, lengths, *, scale, causal=False, pages=None, pa
     :func:`~diffspec_jax.models.layers.attention_prefix` (same contract: ``(out, lse)`` over the committed prefix,
     and with ``causal`` over the chain block written after it), by :func:`fast_path`. With ``pages`` (a paged
     cache: ``k``, ``v`` are pools ``[1, Hkv, N * P, D]``) the kernel reads the pool through the page table; the
-    reference reads the gathered per-sequence view."""
+    reference reads the gathered per-sequence view. 8-bit buffers (:class:`~diffspec_jax.kv_quant.Fp8Rows`) are
+    read as stored and dequantized inside the products, by the kernel and the reference alike."""
     if fast_path():
-        return cache_attention_kernel.cache_attention(q, k, v, lengths, scale=scale, causal=causal, pages=pages,
-                                                      page_size=page_size, deterministic=deterministic())
+        (kq, ks), (vq, vs) = parts(k), parts(v)
+        return cache_attention_kernel.cache_attention(q, kq, vq, lengths, scale=scale, causal=causal, pages=pages,
+                                                      page_size=page_size, deterministic=deterministic(),
+                                                      k_scale=ks, v_scale=vs)
     if pages is not None:
         k, v = page_view(k, pages, page_size), page_view(v, pages, page_size)
     return attention_prefix(q, k, v, lengths, scale, causal=causal)
@@ -172,15 +176,18 @@ def write_block(k: jax.Array, v: jax.Array, k_buf: jax.Array, v_buf: jax.Array, 
     """A step's new K/V ``[B, T, Hkv, D]`` written into the layer's ``[B, Hkv, S, D]`` buffers at rows
     ``start .. start + T - 1`` (rows past the buffer are dropped). ``prefix=False`` (static) promises ``start == 0``
     for every row (a prompt's first prefill chunk): one in-place slice update instead of a scatter. With ``pages``
-    the buffers are pools and the rows go through the page table (:func:`diffspec_jax.cache.write_paged`)."""
+    the buffers are pools and the rows go through the page table (:func:`diffspec_jax.cache.write_paged`). 8-bit
+    buffers take the rows quantized (``k``, ``v`` may come quantized already:
+    :func:`diffspec_jax.kv_quant.encode_like`)."""
     t = k.shape[1]
     if pages is not None:
         slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
         return (write_paged(k_buf, k, pages, slots, page_size), write_paged(v_buf, v, pages, slots, page_size))
     if not prefix and t <= k_buf.shape[2]:
-        kb = jax.lax.dynamic_update_slice_in_dim(k_buf, jnp.swapaxes(k, 1, 2).astype(k_buf.dtype), 0, axis=2)
-        vb = jax.lax.dynamic_update_slice_in_dim(v_buf, jnp.swapaxes(v, 1, 2).astype(v_buf.dtype), 0, axis=2)
-        return kb, vb
+        def put(buf, rows):
+            return jax.lax.dynamic_update_slice_in_dim(buf, jnp.swapaxes(rows, 1, 2).astype(buf.dtype), 0, axis=2)
+
+        return (rowwise(put, k_buf, encode_like(k_buf, k)), rowwise(put, v_buf, encode_like(v_buf, v)))
     slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     return write_rows(k_buf, k, slots, heads_first=True), write_rows(v_buf, v, slots, heads_first=True)
 
@@ -206,12 +213,17 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
             layer's pools ``[1, Hkv, N * P, D]`` and ``pages [B, max_pages]`` maps positions to pool rows. Decode,
             verification and tree blocks read the pool through the table (the Pallas kernel; the references read
             the gathered view); a prefill chunk over a prefix reads the gathered view of its prefix.
+        8-bit buffers (:class:`~diffspec_jax.kv_quant.Fp8Rows`, ``kv_cache_dtype="fp8"``): the block's K/V are
+            quantized first, written, and every path attends to the quantized rows (the block's own rows too, in
+            a tree's block attention and a prefill chunk's causal part), so a row's attention reads the same
+            values in a prefill chunk, a decode step, a chain verify block and a tree block.
     Returns:
         ``((out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32), k_buf, v_buf)``.
     """
     b, t = q.shape[:2]
     slots = start[:, None].astype(jnp.int32) + jnp.arange(t, dtype=jnp.int32)[None, :]
     positions = slots if positions is None else positions
+    k, v = encode_like(k_buf, k), encode_like(v_buf, v)  # the block as stored: every path below reads these
     kb, vb = write_block(k, v, k_buf, v_buf, start, prefix=prefix, pages=pages, page_size=page_size)
     paged = dict(pages=pages, page_size=page_size)
     view = (lambda buf: buf) if pages is None else (lambda buf: page_view(buf, pages, page_size))  # noqa: E731
@@ -221,7 +233,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
     # the flash prefill needs cuDNN (GPU, bf16/fp16); on a CPU its XLA stand-ins run (tests of the decomposition);
     # a TPU runs its prefill chunks on splash attention whatever the kernel choice (the Pallas kernels are GPU ones)
     capacity = kb.shape[2] if pages is None else pages.shape[1] * page_size
-    splash = not dense and _splash_ok(q, capacity)
+    splash = not dense and _splash_ok(q, capacity) and not is_fp8(kb)  # (an 8-bit TPU prefill: the tiled loop)
     flash = dense or _cudnn_ok(q) or jax.default_backend() != "gpu"
     if not (fast_path() or splash) or not flash:
         if dense:
@@ -236,9 +248,14 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
         block = attention_dense(q, k, v, block_mask, scale)
         out, lse = merge_attention(prefix[0], prefix[1], block[0], block[1])
         return (out.astype(q.dtype), lse), kb, vb
-    block = flash_causal(q, k.astype(q.dtype), v.astype(q.dtype), scale)
+    # an 8-bit chunk's own rows as stored, dequantized for the flash kernel (a chunk-sized temporary)
+    own = (dequantize(k, q.dtype), dequantize(v, q.dtype)) if is_fp8(kb) else (k.astype(q.dtype), v.astype(q.dtype))
+    block = flash_causal(q, *own, scale)
     if not prefix:  # a prompt's first chunk: nothing before it, nothing to merge
         return (block[0].astype(q.dtype), block[1]), kb, vb
-    before = flash_prefix(q, view(kb), view(vb), start, scale)
+    if is_fp8(kb):  # cuDNN and splash read full-precision operands: the prefix by the kernel, over the 8-bit rows
+        before = run_cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale, **paged)
+    else:
+        before = flash_prefix(q, view(kb), view(vb), start, scale)
     out, lse = merge_attention(before[0], before[1], block[0], block[1])
     return (out.astype(q.dtype), lse), kb, vb

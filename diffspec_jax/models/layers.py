@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffspec_jax.kv_quant import Fp8Rows, parts, row_dtype, rowwise
 from pallas_kernels.common import NEG, deterministic
 
 #: finite "minus infinity" for masked scores: keeps exp() and max() free of NaN on fully masked tiles (the Pallas
@@ -80,14 +81,46 @@ def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
     return q.reshape(b, t, num_kv_heads, hq // num_kv_heads, d)
 
 
-def attention_dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, *,
+def _column_scale(scale: jax.Array | None, heads_first: bool) -> jax.Array | None:
+    """An 8-bit buffer's per-row scales ``[B, Hkv, S, 1]`` (``[B, S, Hkv, 1]`` unless ``heads_first``) as
+    ``[B, Hkv, 1, 1, S]``, to multiply the grouped ``[B, Hkv, G, T, S]`` scores or probabilities column-wise."""
+    if scale is None:
+        return None
+    s = scale[..., 0] if heads_first else jnp.swapaxes(scale[..., 0], 1, 2)
+    return s[:, :, None, None, :]
+
+
+def _scaled_scores(qg, k, scale: float, kv: str, heads_first: bool) -> jax.Array:
+    """float32 ``[B, Hkv, G, T, S]`` scaled logits of grouped queries over keys ``k`` (an array or
+    :class:`~diffspec_jax.kv_quant.Fp8Rows`: ``(q . values) * s_k`` per key column, the values upcast exactly to
+    the query's dtype inside the product)."""
+    values, ks = parts(k)
+    s = jnp.einsum(f"btkgd,{kv}->bkgts", *_dot_operands(qg, values.astype(row_dtype(k, qg.dtype))),
+                   preferred_element_type=jnp.float32) * scale
+    return s if ks is None else s * _column_scale(ks, heads_first)
+
+
+def _weighted_values(p, v, kv: str, out: str, heads_first: bool, compute_dtype) -> jax.Array:
+    """float32 ``p @ v`` of probabilities ``p [B, Hkv, G, T, S]`` over values ``v`` (an array or
+    :class:`~diffspec_jax.kv_quant.Fp8Rows`: ``(p * s_v) @ values``); ``p`` enters the product in the values'
+    dtype (the query's for 8-bit values); ``out`` the einsum's output subscripts."""
+    values, vs = parts(v)
+    dt = row_dtype(v, compute_dtype)
+    if vs is not None:
+        p = p * _column_scale(vs, heads_first)
+    return jnp.einsum(f"bkgts,{kv}->{out}", *_dot_operands(p.astype(dt), values.astype(dt)),
+                      preferred_element_type=jnp.float32)
+
+
+def attention_dense(q: jax.Array, k: jax.Array | Fp8Rows, v: jax.Array | Fp8Rows, mask: jax.Array, scale: float, *,
                     heads_first: bool = False) -> tuple[jax.Array, jax.Array]:
     """Grouped-query attention over all keys with an explicit mask (the reference form).
 
     Args:
         q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]`` with ``Hq % Hkv == 0`` (``[B, Hkv, S, D]`` when
             ``heads_first``: the target cache's layout, whose batch and head axes lead so that the two products
-            need no transposed copy of the cache).
+            need no transposed copy of the cache), or 8-bit rows (:class:`~diffspec_jax.kv_quant.Fp8Rows` of
+            those shapes), dequantized inside the products: ``(q . k8) * s_k`` and ``(p * s_v) @ v8``.
         mask: bool ``[B, T, S]``, true where query t may attend key s. Every row needs one true entry.
         scale: softmax scale (``1/sqrt(D)``).
     Returns:
@@ -98,23 +131,23 @@ def attention_dense(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, s
     hkv = k.shape[1 if heads_first else 2]
     qg = _grouped(q, hkv)
     kv = "bksd" if heads_first else "bskd"
-    s = jnp.einsum(f"btkgd,{kv}->bkgts", *_dot_operands(qg, k), preferred_element_type=jnp.float32) * scale
+    s = _scaled_scores(qg, k, scale, kv, heads_first)
     s = jnp.where(mask[:, None, None, :, :], s, NEG_INF)
     lse = jax.nn.logsumexp(s, axis=-1)
     p = jnp.exp(s - lse[..., None])
-    out = jnp.einsum(f"bkgts,{kv}->btkgd", *_dot_operands(p.astype(v.dtype), v), preferred_element_type=jnp.float32)
+    out = _weighted_values(p, v, kv, "btkgd", heads_first, q.dtype)
     lse = jnp.transpose(lse, (0, 3, 1, 2)).reshape(b, t, hq)
     return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype), lse
 
 
-def attention_prefix(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, scale: float, *,
+def attention_prefix(q: jax.Array, k: jax.Array | Fp8Rows, v: jax.Array | Fp8Rows, lengths: jax.Array, scale: float, *,
                      causal: bool = False) -> tuple[jax.Array, jax.Array]:
     """GQA of new queries over the first ``lengths[b]`` rows of a heads-first cache (the reference form of
     :func:`pallas_kernels.cache_attention.cache_attention`).
 
     Args:
-        q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]``; lengths: int32 ``[B]`` in ``0..S``: every query of
-            sequence b sees rows ``0 .. lengths[b] - 1`` (the committed prefix).
+        q: ``[B, T, Hq, D]``; k, v: ``[B, Hkv, S, D]`` (or 8-bit rows); lengths: int32 ``[B]`` in ``0..S``: every
+            query of sequence b sees rows ``0 .. lengths[b] - 1`` (the committed prefix).
         causal: query t also sees rows ``lengths[b] .. lengths[b] + t`` (a chain block already written there).
     Returns:
         ``(out [B, T, Hq, D] in q.dtype, lse [B, T, Hq] float32)``. A sequence that sees nothing
@@ -149,8 +182,8 @@ def causal_mask(q_pos: jax.Array, num_keys: int) -> jax.Array:
     return jnp.arange(num_keys)[None, None, :] <= q_pos[:, :, None]
 
 
-def attention_tiled(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, scale: float, tile: int, *,
-                    heads_first: bool = False) -> tuple[jax.Array, jax.Array]:
+def attention_tiled(q: jax.Array, k: jax.Array | Fp8Rows, v: jax.Array | Fp8Rows, q_pos: jax.Array, scale: float,
+                    tile: int, *, heads_first: bool = False) -> tuple[jax.Array, jax.Array]:
     """Causal GQA over a position-indexed cache, key tile by key tile (online softmax).
 
     Never materialises more than ``[B, Hq, T, tile]`` scores, and visits only the tiles up to the largest
@@ -158,8 +191,9 @@ def attention_tiled(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, 
     ``mask = causal_mask(q_pos, S)``.
 
     Args:
-        q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]`` (``[B, Hkv, S, D]`` when ``heads_first``),
-            ``S % tile == 0``; q_pos: int ``[B, T]``.
+        q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]`` (``[B, Hkv, S, D]`` when ``heads_first``), or 8-bit
+            rows (dequantized inside each tile's products, as :func:`attention_dense`), ``S % tile == 0``;
+            q_pos: int ``[B, T]``.
     """
     b, t, hq, d = q.shape
     seq_axis = 2 if heads_first else 1
@@ -175,17 +209,15 @@ def attention_tiled(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, 
     def body(i, carry):
         m, l, acc = carry
         start = i * tile
-        kt = jax.lax.dynamic_slice_in_dim(k, start, tile, axis=seq_axis)
-        vt = jax.lax.dynamic_slice_in_dim(v, start, tile, axis=seq_axis)
-        s = jnp.einsum(f"btkgd,{kv}->bkgts", *_dot_operands(qg, kt), preferred_element_type=jnp.float32) * scale
+        kt, vt = (rowwise(lambda x: jax.lax.dynamic_slice_in_dim(x, start, tile, axis=seq_axis), buf) for buf in (k, v))
+        s = _scaled_scores(qg, kt, scale, kv, heads_first)
         visible = (start + jnp.arange(tile))[None, None, None, None, :] <= qp
         s = jnp.where(visible, s, NEG_INF)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         corr = jnp.exp(m - m_new)
         l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum(f"bkgts,{kv}->bkgtd", *_dot_operands(p.astype(v.dtype), vt),
-                                                 preferred_element_type=jnp.float32)
+        acc = acc * corr[..., None] + _weighted_values(p, vt, kv, "bkgtd", heads_first, q.dtype)
         return m_new, l, acc
 
     init = (jnp.full((b, hkv, g, t), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, t), jnp.float32),

@@ -58,7 +58,7 @@ import jax
 import numpy as np
 
 from diffspec_jax.cache import round_capacity
-from diffspec_jax.config import SamplingConfig, SpecConfig
+from diffspec_jax.config import SamplingConfig, SpecConfig, check_kv_cache_dtype
 from diffspec_jax.engine.compile import CompileClock, enable_compilation_cache, param_spec_key
 from diffspec_jax.engine import memory
 from diffspec_jax.engine.controllers import ShapeControl
@@ -134,6 +134,9 @@ class EngineConfig:
             first this many devices, :func:`diffspec_jax.make_mesh`), as ``generate(..., mesh=make_mesh(tp))``: the
             programs run per shard, the K/V pool is sharded by KV heads, the draft is sharded like the target or
             replicated as ``SpecConfig.draft_tensor_parallel_size`` says [1: one device].
+        kv_cache_dtype: the target's K/V storage, ``"auto"`` (the model's dtype) or ``"fp8"`` (8-bit rows with a
+            float32 scale per token and KV head, :mod:`diffspec_jax.kv_quant`: a page takes about half the bytes,
+            so the pool holds about 1.9x the tokens) ["auto"].
     """
 
     max_num_seqs: int = 8
@@ -148,6 +151,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9
     prefix_caching: bool = True
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         check_int(self.max_num_seqs, "max_num_seqs", min=1, max=4096)
@@ -162,6 +166,7 @@ class EngineConfig:
         check_real(self.kv_cache_memory_fraction, "kv_cache_memory_fraction", min=0.0, max=1.0, min_open=True)
         check_bool(self.prefix_caching, "prefix_caching")
         check_int(self.tensor_parallel_size, "tensor_parallel_size", min=1)
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass(frozen=True)
@@ -335,7 +340,7 @@ class SlotEngine:
         capacity = round_capacity((self.request_pages + -(-positions_needed(plan, 0) // psize))
                                   * psize)  # (whole attention tiles, for the tiled prefill)
         self.max_pages = capacity // psize
-        plan = dataclasses.replace(plan, capacity=capacity, paging=(1, psize))
+        plan = dataclasses.replace(plan, capacity=capacity, paging=(1, psize), kv_cache_dtype=config.kv_cache_dtype)
         # the params laid out on the mesh (refusing heads that do not divide), before the pool is sized beside them
         self.tparams, self.dparams = session.prepare_params(target, draft, self.mesh, plan.draft_tp)
         ddtype = draft_dtype(target, self.dparams)
@@ -431,13 +436,17 @@ class SlotEngine:
 
     # ------------------------------------------------------------------------------------------- public API
     def pool_summary(self) -> str:
-        """One line on the K/V pool: pages, tokens, how many max-length requests fit, prefix caching."""
+        """One line on the K/V pool: its storage, pages, tokens, bytes a page, how many max-length requests fit,
+        prefix caching."""
         tokens = self.num_pages * self.page_size
         fit = self.num_pages // self.request_pages
         caching = "on" if self.prefix_caching else ("off" if not self.config.prefix_caching else
                                                     "off (this model's state is not all in pages)")
-        return (f"K/V pool {self.num_pages} pages x {self.page_size} tokens = {tokens} tokens, {fit} request(s) of "
-                f"max_model_len at once; prefix caching {caching}")
+        kind = "fp8: e4m3 rows, a float32 scale per token and KV head" if self.plan.kv_cache_dtype == "fp8" else \
+            str(np.dtype(self.target.dtype))
+        return (f"K/V pool ({kind}): {self.num_pages} pages x {self.page_size} tokens = {tokens} tokens, "
+                f"{self.page_bytes / 1024:.1f} KiB a page per device, {fit} request(s) of max_model_len at once; "
+                f"prefix caching {caching}")
 
     def parallel_summary(self) -> str:
         """Where the programs run: ``one device``, or the tensor-parallel mesh and the draft's layout on it."""
