@@ -46,6 +46,7 @@ FORMS = ("default", "deterministic")
 
 def _jitted(tc, det: bool):
     """The target's step, traced in the given form (the cache donated)."""
+    from diffspec_jax.engine.compile import DETERMINISTIC_COMPILER_OPTIONS
     from diffspec_jax.models import llama
     from pallas_kernels.common import use_deterministic
 
@@ -53,7 +54,7 @@ def _jitted(tc, det: bool):
         with use_deterministic(det):
             return llama.step(tc, params, cache, toks, start, rows)
 
-    opts = {"xla_allow_excess_precision": False} if det else None
+    opts = dict(DETERMINISTIC_COMPILER_OPTIONS) if det else None
     return jax.jit(step, donate_argnums=(1,), compiler_options=opts)
 
 

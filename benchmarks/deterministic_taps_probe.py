@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     import diffspec_jax as dj
     from benchmarks.long_context import fill_random
     from diffspec_jax.cache import create_cache
+    from diffspec_jax.engine.compile import DETERMINISTIC_COMPILER_OPTIONS
     from diffspec_jax.models import llama
     from pallas_kernels.common import use_deterministic
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
             with use_deterministic(True):
                 o, _ = llama.step(tc, params, cache, toks, start, rows, aux_layers=aux if taps else ())
             return o.logits, (o.aux @ w if consume else o.aux) if taps else None
-        return jax.jit(f, compiler_options={"xla_allow_excess_precision": False})
+        return jax.jit(f, compiler_options=dict(DETERMINISTIC_COMPILER_OPTIONS))
 
     cache = fill_random(create_cache(tc, b, capacity, jnp.bfloat16))
     rng = np.random.default_rng(0)

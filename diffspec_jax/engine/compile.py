@@ -59,6 +59,10 @@ def bind(fn, plan: Plan):
     return functools.wraps(fn)(bound)
 
 
+#: the XLA options of a deterministic plan's programs (:func:`compiler_options`)
+DETERMINISTIC_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+
+
 def compiler_options(plan: Plan) -> dict | None:
     """XLA options of the plan's programs: a deterministic plan (``SpecConfig.deterministic``) keeps every
     bfloat16 intermediate rounded as its op's type says (``xla_allow_excess_precision`` off). XLA otherwise may keep
@@ -66,7 +70,7 @@ def compiler_options(plan: Plan) -> dict | None:
     the verify step, which also taps hidden states for the draft, then rounded some values differently from
     target-only decoding (2 of 16 demo-pair prompts differed on an H200 with the attention alone made
     deterministic; self-drafting, which taps nothing, none)."""
-    return {"xla_allow_excess_precision": False} if plan.spec.deterministic else None
+    return dict(DETERMINISTIC_COMPILER_OPTIONS) if plan.spec.deterministic else None
 
 
 class CompileClock:

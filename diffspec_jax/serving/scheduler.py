@@ -315,7 +315,7 @@ class SlotEngine:
         spec = SpecConfig() if spec is None else spec
         self.session = session = default_session() if session is None else session
         choice = split_draft(draft)
-        draft, self.self_draft = choice.model, choice.self_draft
+        draft = choice.model
         validate(target, draft, [[0]], 1, spec, SamplingConfig(), config.block_cycles)
         spec, self.drafter = draft_spec(choice, spec, target.config)
         if spec.draft_sampling != "argmax":
