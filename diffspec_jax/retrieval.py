@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from diffspec_jax.cache import page_view
 from diffspec_jax.kv_quant import parts
 from pallas_kernels import chunk_scores as chunk_scores_kernel
 from pallas_kernels.common import kernel_backend
@@ -94,12 +95,23 @@ def head_sum_scores(q: jax.Array, lse: jax.Array | None, k_cache: jax.Array, roo
     return jnp.where(counts > 0, per_chunk / jnp.maximum(counts, 1), 0.0)
 
 
-def run_chunk_scores(q, lse, k_cache, root, *, chunk):
-    """:func:`head_sum_scores` by :func:`pallas_kernels.chunk_scores.chunk_scores` (the Pallas backend, chunks of
-    a power-of-two size, ``lse`` given) or by the reference."""
-    if kernel_backend() == "pallas" and chunk & (chunk - 1) == 0 and lse is not None:
+def scores_by_kernel(chunk: int, lse: jax.Array | None) -> bool:
+    """Whether :func:`run_chunk_scores` takes the Pallas kernel: the Pallas backend, chunks of a power-of-two size
+    and ``lse`` given."""
+    return kernel_backend() == "pallas" and chunk & (chunk - 1) == 0 and lse is not None
+
+
+def run_chunk_scores(q, lse, k_cache, root, *, chunk, pages=None, page_size=0):
+    """:func:`head_sum_scores` by :func:`pallas_kernels.chunk_scores.chunk_scores` (when :func:`scores_by_kernel`)
+    or by the reference. With ``pages`` (a paged cache: ``k_cache`` is the pool ``[1, Hkv, N * P, D]``, or its
+    8-bit rows) the kernel reads the pool through the page table; the reference scores the per-sequence view
+    gathered through it (:func:`diffspec_jax.cache.page_view`, a copy of ``B x max_pages x P`` rows)."""
+    if scores_by_kernel(chunk, lse):
         values, ks = parts(k_cache)
-        return chunk_scores_kernel.chunk_scores(q, lse, values, root, chunk=chunk, k_scale=ks)
+        return chunk_scores_kernel.chunk_scores(q, lse, values, root, chunk=chunk, k_scale=ks, pages=pages,
+                                                page_size=page_size)
+    if pages is not None:
+        k_cache = page_view(k_cache, pages, page_size)
     return head_sum_scores(q, lse, k_cache, root, chunk)
 
 

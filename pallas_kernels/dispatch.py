@@ -7,7 +7,8 @@ engine's programs, else Pallas on GPUs and the references elsewhere) is made whe
 * :func:`gather_rope_write`: :func:`pallas_kernels.gather_rope_write.gather_rope_write` or
   :func:`diffspec_jax.working_cache.gather_rope_write_reference` (by :func:`diffspec_jax.working_cache.run_gather_rope_write`);
 * :func:`chunk_scores`: :func:`pallas_kernels.chunk_scores.chunk_scores` or :func:`diffspec_jax.retrieval.head_sum_scores`
-  (by :func:`diffspec_jax.retrieval.run_chunk_scores`);
+  (by :func:`diffspec_jax.retrieval.run_chunk_scores`; over a paged pool, ``pages`` and ``page_size``, the kernel reads
+  through the page table and the reference scores the gathered view);
 * :func:`draft_attention`: :func:`pallas_kernels.draft_attention.draft_attention` or
   :func:`diffspec_jax.working_cache.draft_attention_reference` (by :func:`diffspec_jax.working_cache.run_draft_attention`);
 * :func:`cache_attention`: :func:`pallas_kernels.cache_attention.cache_attention` or

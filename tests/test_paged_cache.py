@@ -119,3 +119,72 @@ def test_paged_chunk_scores_in_groups_equal_the_whole_cache(monkeypatch, chunk):
                                        chunk)
     want = retrieval.head_sum_scores(q, lse, buf, root, chunk)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+def _scores_numpy(q, lse, keys, root, chunk):
+    """float64 head-summed chunk scores of ``keys [B, Hkv, S, D]`` (rows past each root ignored)."""
+    b, hq, d = q.shape
+    hkv, s = keys.shape[1], keys.shape[2]
+    logits = np.einsum("bkgd,bksd->bkgs", q.reshape(b, hkv, hq // hkv, d), keys) * d ** -0.5
+    valid = np.arange(s)[None, :] <= root[:, None]
+    p = np.where(valid[:, None, None], np.exp(logits - lse.reshape(b, hkv, -1)[..., None]), 0.0).sum((1, 2))
+    nc = -(-s // chunk)
+    sums = np.pad(p, ((0, 0), (0, nc * chunk - s))).reshape(b, nc, chunk).sum(-1)
+    counts = np.pad(valid, ((0, 0), (0, nc * chunk - s))).reshape(b, nc, chunk).sum(-1)
+    return np.where(counts > 0, sums / np.maximum(counts, 1), 0.0)
+
+
+@pytest.mark.parametrize("chunk, kind", [(8, "float32"), (32, "bfloat16"), (8, "fp8"), (32, "fp8")])
+def test_paged_chunk_scores_kernel_reads_the_pool_through_the_table(chunk, kind):
+    """The (interpreted) Pallas chunk_scores kernel over a pool read through a randomly placed page table equals
+    dense float64 scores of each sequence's rows up to its root, and the contiguous kernel over the gathered view;
+    table entries past the root are the sentinel N or garbage (never dereferenced). Chunks smaller and larger than
+    a page; float32, bf16 and 8-bit keys."""
+    from diffspec_jax import retrieval
+    from diffspec_jax.kv_quant import quantize
+    from pallas_kernels.chunk_scores import chunk_scores
+
+    rng = np.random.default_rng(chunk + len(kind))
+    b, hq, hkv, d = 4, 8, 2, 16
+    root = np.array([127, 37, 0, 70])  # 37: inside a partially filled page; 0: the first row only
+    need = root // P + 1
+    n = int(need.sum()) + 3  # a few pages nobody holds
+    order = rng.permutation(n)
+    pages = np.full((b, PAGES), n, np.int32)  # n = unallocated
+    pages[1::2] = rng.integers(-10 ** 6, 10 ** 6, (b // 2, PAGES))  # garbage past the root
+    at = 0
+    for i, k in enumerate(need):
+        pages[i, :k] = order[at:at + k]
+        at += k
+    q = rng.standard_normal((b, hq, d))
+    lse = rng.standard_normal((b, hq)) + 3
+    raw = rng.standard_normal((1, hkv, n * P, d)) * np.exp(rng.uniform(-1, 1, (1, hkv, n * P, 1)))
+    if kind == "fp8":
+        pool = quantize(jnp.asarray(raw, jnp.float32))
+        keys, ks = pool.values, pool.scale
+        dense = np.asarray(keys, np.float64) * np.asarray(ks, np.float64)
+        q_seen = np.asarray(jnp.asarray(q, jnp.bfloat16), np.float64)  # 8-bit rows meet a bf16 copy of q
+    else:
+        pool = keys = jnp.asarray(raw, kind)
+        ks = None
+        dense = np.asarray(keys, np.float64)
+        q_seen = q if kind == "float32" else np.asarray(jnp.asarray(q, jnp.bfloat16), np.float64)
+    rows = np.clip(pages, 0, n - 1)[:, :, None] * P + np.arange(P)  # each sequence's rows, [B, PAGES, P]
+    seq_keys = np.moveaxis(dense[0][:, rows.reshape(b, -1)], 0, 1)  # [B, Hkv, PAGES * P, D]
+    want = _scores_numpy(q_seen, lse, seq_keys, root, chunk)
+    args = (jnp.asarray(q, jnp.float32), jnp.asarray(lse, jnp.float32))
+    tiling = dict(chunk=chunk, block=16, tiles=2)  # several programs per sequence, some wholly past a root
+    got = np.asarray(chunk_scores(*args, keys, jnp.asarray(root), k_scale=ks, pages=jnp.asarray(pages),
+                                  page_size=P, **tiling))
+    assert got.shape == (b, PAGES * P // chunk)
+    rtol = 1e-5 if kind == "float32" else 1e-4
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=1e-7)
+    assert not got[np.arange(got.shape[1])[None, :] * chunk > root[:, None]].any()  # chunks past the root: 0
+    view = page_view(pool, jnp.asarray(pages), P)
+    vk, vs = (view.values, view.scale) if kind == "fp8" else (view, None)
+    contiguous = np.asarray(chunk_scores(*args, vk, jnp.asarray(root), k_scale=vs, **tiling))
+    np.testing.assert_allclose(got, contiguous, rtol=1e-6, atol=1e-9)
+    with use_kernels("reference"):  # the dispatcher's reference over a paged pool: the gathered view
+        ref = retrieval.run_chunk_scores(*args, pool, jnp.asarray(root), chunk=chunk, pages=jnp.asarray(pages),
+                                         page_size=P)
+    np.testing.assert_allclose(np.asarray(ref), _scores_numpy(q, lse, seq_keys, root, chunk), rtol=1e-5, atol=1e-7)

@@ -1,5 +1,9 @@
 """DiffSpec retrieval: score the context's chunks (the target's attention at the scoring layer, or the draft's
-salience against chunk key summaries) and select the anchor chunks of the draft's working cache."""
+salience against chunk key summaries) and select the anchor chunks of the draft's working cache.
+
+Over a paged target cache the Pallas ``chunk_scores`` kernel reads the scoring layer's pool through the page table
+(only the rows up to each sequence's root, no copy); the reference path gathers the per-sequence view a few page
+columns at a time (:func:`_paged_chunk_scores`)."""
 
 from __future__ import annotations
 
@@ -19,7 +23,10 @@ def _select_anchors(plan: Plan, tparams, dparams, state: DecodeState) -> jax.Arr
     root = state.length - 1
     if spec.context.scorer == "attention":  # each shard sums its query heads; one psum gives identical scores
         tc = state.target_cache
-        if tc.paged:
+        if tc.paged and retrieval.scores_by_kernel(c, ret.score_lse):  # the kernel reads the pool through the table
+            scores = dispatch.chunk_scores(ret.score_q, ret.score_lse, tc.layer_keys(plan.score_layer), root, chunk=c,
+                                           pages=tc.pages, page_size=tc.page_size)
+        elif tc.paged:
             scores = _paged_chunk_scores(ret.score_q, ret.score_lse, tc, tc.layer_keys(plan.score_layer), root, c)
         else:
             scores = dispatch.chunk_scores(ret.score_q, ret.score_lse, tc.layer_keys(plan.score_layer), root, chunk=c)
@@ -40,7 +47,8 @@ PAGED_SCORE_TOKENS = 1 << 18
 
 
 def _paged_chunk_scores(q, lse, cache, buf, root, chunk: int):
-    """Chunk scores over a paged cache: the scoring layer's keys gathered through the page table a group of page
+    """Chunk scores over a paged cache on the reference path (the Pallas kernel reads the pool through the page
+    table instead, copying nothing): the scoring layer's keys gathered through the page table a group of page
     columns at a time (at most :data:`PAGED_SCORE_TOKENS` positions over the batch per group: 512 MiB at
     Llama-3.1-8B shapes), each group scored as a cache of its own. A chunk's score reads its own positions only
     (the log-sum-exp is given), so groups of whole chunks score exactly as the whole cache does.
