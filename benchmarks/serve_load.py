@@ -258,7 +258,8 @@ def paging_counts(before: dict | None, after: dict | None) -> dict | None:
     delta = lambda key: after.get(key, 0) - before.get(key, 0)  # noqa: E731
     queries, hits = delta("prefix_cache_queries"), delta("prefix_cache_hits")
     return {"prefix_cache_queries": queries, "prefix_cache_hits": hits, "prefix_hit_rate": ratio(hits, queries),
-            "preemptions": delta("total_preemptions"), "kv_blocks_used_after": after.get("kv_blocks_used"),
+            "preemptions": delta("total_preemptions"), "replayed_tokens": delta("total_replayed_tokens"),
+            "replay_mismatches": delta("total_replay_mismatches"), "kv_blocks_used_after": after.get("kv_blocks_used"),
             "kv_blocks_cached_after": after.get("kv_blocks_cached"), "kv_blocks_total": after.get("kv_blocks_total"),
             "prefix_caching": after.get("prefix_caching")}
 
@@ -330,7 +331,8 @@ def _spec(policy: str, args):
     policy = policy.removeprefix(SELF_PREFIX)
     return SpecConfig.from_flat(dict(num_speculative_tokens=args.k,
                                      draft_context_policy="full" if policy == "target-only" else policy,
-                                     diffspec_token_budget=args.budget, diffspec_chunk_size=args.chunk))
+                                     diffspec_token_budget=args.budget, diffspec_chunk_size=args.chunk,
+                                     deterministic=args.deterministic))
 
 
 def offline(target, draft, prompts, args) -> dict:
@@ -510,6 +512,8 @@ def serve(policy: str, args, extra: list[str], limit_s: float | None, body) -> d
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.quick:
         cmd.append("--quick")
+    if args.deterministic:
+        cmd.append("--deterministic")
     proc = subprocess.Popen(cmd + extra, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=os.environ.copy())
     out: dict = {"policy": policy}
@@ -843,7 +847,8 @@ def pressure_check(run: dict) -> dict | None:
            "equal": sum(a is not None and a == r for a, r in zip(answers, ref)), "first_difference": differ,
            "preempted_requests": sum(bool(n) for n in preempted),
            "differing_preempted": [bool(preempted[i]) for i in differ],
-           "preemptions": paging.get("preemptions"), "kv_blocks_used_idle": paging.get("kv_blocks_used_after")}
+           "preemptions": paging.get("preemptions"), "replayed_tokens": paging.get("replayed_tokens"),
+           "kv_blocks_used_idle": paging.get("kv_blocks_used_after")}
     out["ok"] = (out["completed"] == out["equal"] == len(answers) and bool(out["preemptions"])
                  and out["kv_blocks_used_idle"] == 0)
     return out
@@ -977,6 +982,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=None)
     ap.add_argument("--block-cycles", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="SpecConfig(deterministic=True) in the server and in generate() alone (issue 40's mode)")
     ap.add_argument("--max-prefill-per-block", type=int, default=None,
                     help="the server's prompt tokens between two decode blocks while slots decode (default one chunk)")
     pool = ap.add_argument_group("the server's page pool (every workload)")

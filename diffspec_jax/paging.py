@@ -223,15 +223,20 @@ class PageManager:
         if needed > free + evictable:
             raise OutOfPages(needed, free, evictable, self._num_pages, what)
 
-    def _prompt(self, tokens, reserve: int) -> tuple[memoryview, int, list[int], int]:
+    def _prompt(self, tokens, reserve: int, max_cached: int | None = None
+                ) -> tuple[memoryview, int, list[int], int]:
         """Checks of a prompt; ``(token bytes, T, hit pages, new pages needed)``."""
         if int(reserve) != reserve or reserve < 0:
             raise PagingError(f"reserve must be a non-negative number of tokens, got {reserve!r}")
+        if max_cached is not None and (int(max_cached) != max_cached or max_cached < 0):
+            raise PagingError(f"max_cached must be a non-negative number of tokens, got {max_cached!r}")
         data = _token_bytes(tokens)
         n = len(data) // 4
         if n < 1:
             raise PagingError("a sequence needs at least one prompt token")
         hits = self._hits_for(data, n)
+        if max_cached is not None:
+            hits = hits[:int(max_cached) // self._page_size]
         return data, n, hits, self.pages_for(n + int(reserve)) - len(hits)
 
     def can_admit(self, tokens: Sequence[int] | np.ndarray, reserve: int = 0) -> bool:
@@ -241,16 +246,18 @@ class PageManager:
         free, evictable = self._available(hits)
         return needed <= free + evictable
 
-    def admit(self, seq_id: Hashable, tokens: Sequence[int] | np.ndarray, reserve: int = 0) -> Admission:
+    def admit(self, seq_id: Hashable, tokens: Sequence[int] | np.ndarray, reserve: int = 0,
+              max_cached: int | None = None) -> Admission:
         """Start sequence ``seq_id`` with prompt ``tokens`` (``[T]`` ids), pages for ``T + reserve`` positions.
 
         Reuses the longest cached run of full pages matching the prompt's prefix (capped so at least one prompt
-        token is left to compute), taking a reference on each, and allocates fresh pages for the rest. Counts
+        token is left to compute, and at ``max_cached`` tokens when given: whole pages below it), taking a reference
+        on each, and allocates fresh pages for the rest. Counts
         ``T`` prefix-cache query tokens and ``cached_tokens`` hit tokens. Raises :class:`OutOfPages` (nothing
         changed) when the pool cannot supply the fresh pages."""
         if seq_id in self._seqs:
             raise PagingError(f"sequence {seq_id!r} is already admitted; free it first")
-        _, n, hits, needed = self._prompt(tokens, reserve)
+        _, n, hits, needed = self._prompt(tokens, reserve, max_cached)
         self._check_room(needed, hits, f"admitting sequence {seq_id!r} ({n} prompt + {reserve} reserved tokens)")
         for page in hits:
             self._take(page)

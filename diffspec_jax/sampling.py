@@ -75,23 +75,39 @@ class SamplingRows:
         temperature: float32 ``[B]`` (0 = greedy; the host stores what :class:`SamplingConfig` normalises);
         top_k: int32 ``[B]`` (0 = off); top_p: float32 ``[B]`` (1 = off);
         key: uint32 ``[B, 2]`` each row's own PRNG key (from its request's seed, :func:`seed_key`).
+        replay: int32 ``[B, C]`` a row's tokens by absolute position (``C`` the cache capacity) and
+            replay_end: int32 ``[B]``: the row emits ``replay[p]`` at every position ``p < replay_end`` whatever the
+            target would choose (0: nothing forced). A preempted request recomputes what it had generated this way,
+            through the same verify steps that produced it (:func:`replayed`).
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
     key: jax.Array
+    replay: jax.Array
+    replay_end: jax.Array
 
     @classmethod
-    def create(cls, batch: int) -> SamplingRows:
-        """``batch`` greedy rows with zero keys."""
+    def create(cls, batch: int, capacity: int = 1) -> SamplingRows:
+        """``batch`` greedy rows with zero keys and nothing to replay (``capacity``: the replay buffer's width)."""
         return cls(temperature=jnp.zeros((batch,), jnp.float32), top_k=jnp.zeros((batch,), jnp.int32),
-                   top_p=jnp.ones((batch,), jnp.float32), key=jnp.zeros((batch, 2), jnp.uint32))
+                   top_p=jnp.ones((batch,), jnp.float32), key=jnp.zeros((batch, 2), jnp.uint32),
+                   replay=jnp.zeros((batch, capacity), jnp.int32), replay_end=jnp.zeros((batch,), jnp.int32))
 
     @property
     def greedy(self) -> jax.Array:
         """bool ``[B]``: the rows that take the argmax."""
         return self.temperature <= 0.0
+
+    def replayed(self, positions: jax.Array, tokens: jax.Array) -> jax.Array:
+        """``tokens`` (int32, ``positions``' shape ``[B, ...]``) with each position below its row's ``replay_end``
+        replaced by the replayed token there."""
+        b = positions.shape[0]
+        flat = positions.reshape(b, -1)
+        got = jnp.take_along_axis(self.replay, jnp.clip(flat, 0, self.replay.shape[1] - 1), axis=1)
+        forced = flat < self.replay_end[:, None]
+        return jnp.where(forced, got, tokens.reshape(b, -1)).reshape(tokens.shape)
 
 
 def seed_key(seed: int):

@@ -133,7 +133,8 @@ def test_server_slots_keep_the_token_history_through_prefix_hits_and_preemption(
     page, chunk, max_len = 16, 32, 192
     spec = SpecConfig(num_speculative_tokens=3)
     eng = SlotEngine(target, "ngram", spec, EngineConfig(max_num_seqs=3, max_model_len=max_len, prefill_chunk=chunk,
-                                                         block_size=page, num_kv_blocks=-(-max_len // page) + 4))
+                                                         block_size=page, num_kv_blocks=-(-max_len // page) + 4,
+                                                         block_cycles=4))  # (pages reserved 2 blocks ahead)
     assert eng.policy == "ngram" and eng.prefix_caching
     eng.start()
     try:

@@ -413,10 +413,10 @@ def test_per_row_processing_equals_the_static_one():
     settings = [(0.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.6), (0.5, 7, 0.3), (2.0, 50, 1e-30)]
     # every row, then batches where no row (or only top-p, or only top-k) filters: the sorts run only when needed
     for pick in ([0, 1, 2, 3, 4, 5], [0, 1], [3, 1], [2, 0]):
-        rows = SamplingRows(temperature=jnp.array([settings[i][0] for i in pick], jnp.float32),
-                            top_k=jnp.array([settings[i][1] for i in pick], jnp.int32),
-                            top_p=jnp.array([settings[i][2] for i in pick], jnp.float32),
-                            key=jnp.zeros((len(pick), 2), jnp.uint32))
+        rows = SamplingRows.create(len(pick)).replace(
+            temperature=jnp.array([settings[i][0] for i in pick], jnp.float32),
+            top_k=jnp.array([settings[i][1] for i in pick], jnp.int32),
+            top_p=jnp.array([settings[i][2] for i in pick], jnp.float32))
         got = np.asarray(processed_logprobs_rows(jnp.asarray(logits[pick]), rows))
         for j, i in enumerate(pick):
             t, k, p = settings[i]

@@ -104,17 +104,55 @@ def test_prefix_cache_and_preemption(pair, engine):
     assert m["prefix_cache_hits"] >= 2 * 288 and m["compiles_after_warmup"] == 0
     _idle_pages_ok(engine)
 
-    # (2) four requests that together need more pages than the pool has: preemption, then recomputation
+    # (2) five requests whose answers together need more pages than the pool has: requests preempted while they
+    # decode recompute their prompts and replay the tokens they had returned
+    # (the last samples: if it is preempted, the tokens it returned must come back as they were when it recomputes
+    # them, which only a replay that forces them gives; replay_mismatches counts any that did not)
     errs = []
-    load = [Request(ids[37 * i: 37 * i + 250], SamplingParams(max_tokens=100, ignore_eos=True), errs.append)
-            for i in range(4)]
+    load = [Request(ids[37 * i: 37 * i + 40], SamplingParams(max_tokens=200, ignore_eos=True, **kw), errs.append)
+            for i, kw in enumerate([{}] * 4 + [dict(temperature=1.0, seed=3)])]
+    before = dict(engine.counters)
     _run(engine, load)
     assert not [e for e in errs if e.kind == "error"], [e.message for e in errs if e.kind == "error"]
-    assert engine.metrics()["total_preemptions"] > 0 and sum(r.preemptions for r in load) > 0
-    for r in load:
-        assert r.finish_reason == "length" and r.tokens == _reference(pair, r.prompt_ids, 100)
+    assert engine.metrics()["total_preemptions"] > 0
+    assert engine.counters["replayed_tokens"] > before.get("replayed_tokens", 0)
+    assert engine.counters["replay_mismatches"] == 0 and len(load[-1].tokens) == 200
+    for r in load[:-1]:
+        assert r.finish_reason == "length" and r.tokens == _reference(pair, r.prompt_ids, 200)
     assert engine.metrics()["compiles_after_warmup"] == 0
     _idle_pages_ok(engine)
+
+
+def test_replay_accept_forces_the_replayed_tokens():
+    """A replaying row's cycle (``verify._replay_accept``) against a NumPy rule on fresh random logits: positions
+    below ``replay_end`` emit the replayed tokens and count as accepted whatever the target's acceptance was; a row
+    whose acceptance stopped short of them takes the target's argmax at the row after them; other rows unchanged."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from diffspec_jax.engine.verify import _replay_accept
+    from diffspec_jax.sampling import SamplingRows
+
+    rng = np.random.default_rng(11)
+    b, k, v, cap = 6, 4, 40, 64
+    logits = rng.normal(size=(b, k + 1, v)).astype(np.float32)
+    length = np.array([10, 10, 10, 30, 5, 20], np.int32)
+    end = np.array([13, 12, 30, 0, 6, 21], np.int32)    # forced drafts f: 2, 1, 4 (and the bonus), 0, 0, 0
+    m = np.array([0, 3, 1, 2, 4, 1], np.int32)           # the rows' own acceptance
+    emitted = rng.integers(0, v, (b, k + 1)).astype(np.int32)
+    replay = rng.integers(0, v, (b, cap)).astype(np.int32)
+    rows = SamplingRows.create(b, cap).replace(replay=jnp.asarray(replay), replay_end=jnp.asarray(end))
+    got_m, got = _replay_accept(rows, jnp.asarray(length), jnp.asarray(logits), jnp.asarray(m), jnp.asarray(emitted))
+    for i in range(b):
+        f = int(np.clip(end[i] - 1 - length[i], 0, k))
+        want = emitted[i].copy()
+        if m[i] < f:
+            want[f] = np.argmax(logits[i, f])
+        for j in range(k + 1):
+            if length[i] + 1 + j < end[i]:
+                want[j] = replay[i, length[i] + 1 + j]
+        assert int(got_m[i]) == max(int(m[i]), f)
+        np.testing.assert_array_equal(np.asarray(got[i]), want)
 
 
 _REQUEST = st.tuples(st.integers(0, 300), st.integers(20, 220), st.integers(1, 120),  # prompt offset, length, max
@@ -166,17 +204,18 @@ def test_self_draft_server_reuses_prefixes_and_preempts(pair):
     spec = SpecConfig.from_flat(dict(num_speculative_tokens=4, draft_context_policy="recent",
                                      diffspec_token_budget=128, diffspec_chunk_size=16))  # (no retrieval rebuilds)
     eng = SlotEngine(target, "self", spec, EngineConfig(max_num_seqs=3, max_model_len=max_len, prefill_chunk=CHUNK,
-                                                        block_size=PAGE, num_kv_blocks=-(-max_len // PAGE) + 4))
+                                                        block_size=PAGE, num_kv_blocks=-(-max_len // PAGE) + 2,
+                                                        block_cycles=4))  # (pages reserved 2 blocks ahead)
     assert eng.policy == "self-recent" and eng.prefix_caching
     eng.start()
     try:
-        doc = ids[:150]
+        doc = ids[:120]
         first = Request(doc + ids[200:206], SamplingParams(max_tokens=40, ignore_eos=True), lambda e: None)
         _run(eng, [first])
-        reqs = [Request(doc + ids[210 + 7 * i:217 + 7 * i], SamplingParams(max_tokens=40 + 20 * i, ignore_eos=True),
+        reqs = [Request(doc + ids[210 + 7 * i:217 + 7 * i], SamplingParams(max_tokens=60 + 20 * i, ignore_eos=True),
                         lambda e: None) for i in range(3)]
         _run(eng, reqs)
-        assert [r.cached_tokens for r in reqs].count((150 // PAGE) * PAGE) >= 1
+        assert [r.cached_tokens for r in reqs].count((120 // PAGE) * PAGE) >= 1
         assert eng.metrics()["total_preemptions"] > 0 and eng.metrics()["compiles_after_warmup"] == 0
         for r in [first] + reqs:
             want = dj.generate(target, None, [r.prompt_ids], max_new_tokens=r.params.max_tokens, prefill_chunk=CHUNK,

@@ -67,7 +67,7 @@ def _start_decode(plan: Plan, state: DecodeState, acc: PrefillAcc, lengths, cont
         first = choose(key, acc.logits, plan.sampling)
     else:  # each row samples with its own parameters and key (the server's slots)
         keys, row_key = split_rows(state.sampling.key)
-        first = choose_rows(row_key, acc.logits, state.sampling)
+        first = state.sampling.replayed(lengths, choose_rows(row_key, acc.logits, state.sampling))
         state = state.replace(sampling=state.sampling.replace(key=keys))
     k1 = plan.k + 1
     state = state.replace(

@@ -97,7 +97,7 @@ def init_slots(plan: Plan, batch: int, target_dtype, draft_dtype) -> tuple[Decod
     every row is done."""
     state = _init_state(plan, batch, target_dtype, draft_dtype, 0)
     if state.sampling is None:  # (a plan without row_sampling, outside the slot programs)
-        state = state.replace(sampling=SamplingRows.create(batch))
+        state = state.replace(sampling=SamplingRows.create(batch, plan.capacity))
     zero = jnp.zeros((batch,), jnp.int32)
     cad = fresh_cadence(plan, batch) if plan.diffspec else None
     depth = start_depth(plan, zero) if plan.adaptive_depth else None
@@ -165,20 +165,26 @@ def slot_prefill(plan: Plan, tparams, dparams, state: DecodeState, acc: PrefillA
 
 
 def slot_start(plan: Plan, tparams, dparams, state: DecodeState, loop: LoopState, acc: PrefillAcc, slot, length,
-               limit, stops, retrieve, context=None):
+               limit, stops, retrieve, replay, replay_end, context=None):
     """Start decoding slot ``slot`` after its prefill.
 
     Args:
         length: int32 ``[1]`` the prompt length; limit: int32 ``[]`` the request's token limit; stops: int32
             ``[S]`` its stop ids (``-1`` padded); retrieve: bool ``[]`` run DiffSpec's retrieval after prefill
-            now; context: int32 ``[1, capacity]`` the slot's whole context, zero padded, for the plan's drafter
-            when it reads it (:attr:`~diffspec_jax.engine.state.Plan.drafter_context`; else ``None``).
+            now; replay: int32 ``[1, capacity]`` and replay_end: int32 ``[1]``: tokens the slot emits again at the
+            positions below ``replay_end`` (its prompt and the tokens it generated before a preemption; ``[0]``:
+            none), recomputed through the decode loop's verify steps
+            (:attr:`~diffspec_jax.sampling.SamplingRows.replay`); context: int32 ``[1, capacity]`` the slot's
+            whole context, zero padded, for the plan's drafter when it reads it
+            (:attr:`~diffspec_jax.engine.state.Plan.drafter_context`; else ``None``).
     Returns:
         ``(state, loop, first token int32 [], anchors int32 [1, 1, A])``: the retrieval's anchors as this
         tensor-parallel rank selected them (zeros without DiffSpec), stacked over the ranks by the program's out
         specs (``[ranks, 1, A]``), so the host can check that every rank selected the same chunks.
     """
-    rows, first = _start_decode(plan, _rows(state, slot), acc, length, context)
+    rows = _rows(state, slot)
+    rows = rows.replace(sampling=rows.sampling.replace(replay=replay, replay_end=replay_end))
+    rows, first = _start_decode(plan, rows, acc, length, context)
     ranks = jnp.zeros((1, 1, max(1, plan.spec.max_chunks - 1)), jnp.int32)
     if plan.diffspec:
         rows, ranks = _retrieve(plan, tparams, dparams, rows, retrieve[None])
@@ -257,7 +263,7 @@ def slot_programs(plan: Plan, tspec_key=None, dspec_key=None) -> SimpleNamespace
         reset=make(slot_reset, 0, (st,) + (one,) * 5, st),
         prefill=make(slot_prefill, (2, 3), chunk_ins, (st, acc, one)),
         prefill_first=make(functools.partial(slot_prefill, first=True), (2, 3), chunk_ins, (st, acc, one)),
-        start=make(slot_start, (2, 3), (sp.tparams, sp.dparams, st, ls, acc) + (one,) * 6,
+        start=make(slot_start, (2, 3), (sp.tparams, sp.dparams, st, ls, acc) + (one,) * 8,
                    (st, ls, one, sp.ranks)),
         release=make(slot_release, 0, (ls, one), ls),
         flush=make(slot_flush, 1, (sp.dparams, st, one), st),

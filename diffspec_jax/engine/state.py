@@ -276,7 +276,8 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int, po
         pend_tokens=jnp.zeros((batch, k1), jnp.int32),
         pend_feats=jnp.zeros((batch, k1, feat), target_dtype),
         pend_count=jnp.zeros((batch,), jnp.int32), seq_id=jnp.arange(batch, dtype=jnp.int32),
-        rng=jax.random.PRNGKey(seed), sampling=SamplingRows.create(batch) if plan.row_sampling else None,
+        rng=jax.random.PRNGKey(seed),
+        sampling=SamplingRows.create(batch, plan.capacity) if plan.row_sampling else None,
         drafter=plan.drafter.init(plan, batch) if plan.drafter is not None else None)
 
 
@@ -317,7 +318,8 @@ def state_specs(plan: Plan) -> DecodeState:
         tcache = fp8_specs(tcache)
     rows = None
     if plan.row_sampling:
-        rows = SamplingRows(temperature=P(dp), top_k=P(dp), top_p=P(dp), key=P(dp, None))
+        rows = SamplingRows(temperature=P(dp), top_k=P(dp), top_p=P(dp), key=P(dp, None), replay=P(dp, None),
+                            replay_end=P(dp))
     return DecodeState(target_cache=tcache, draft_cache=dcache,
                        retrieval=ret,
                        length=P(dp), last_token=P(dp), pend_tokens=P(dp, None), pend_feats=P(dp, None, None),

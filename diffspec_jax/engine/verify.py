@@ -68,6 +68,8 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
     depth = plan.k if depth is None else depth
     p = plan.drafter.propose(plan, tparams, dparams, state, active, k_draft, depth)
     state, drafts, q = p.state, p.drafts, p.q
+    if state.sampling is not None:  # a replaying row verifies the tokens it had generated (SamplingRows.replay)
+        drafts = state.sampling.replayed(state.length[:, None] + 1 + jnp.arange(depth, dtype=jnp.int32), drafts)
     block = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
     rows = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), block.shape)
     fam = family(plan.target)
@@ -76,6 +78,7 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
                            snapshots=True)
     if state.sampling is not None:
         state, m, emitted = _accept_rows(state, active, out.logits, drafts, q)
+        m, emitted = _replay_accept(state.sampling, state.length, out.logits, m, emitted)
     elif plan.sampling.greedy:
         m, emitted = verification.greedy_accept(out.logits, drafts)
     else:
@@ -177,7 +180,7 @@ def _target_cycle(plan: Plan, tparams, dparams, state: DecodeState, active) -> C
         tok = choose(key, out.logits[:, 0], plan.sampling)
     else:
         state, row_key = _row_keys(state, active)
-        tok = choose_rows(row_key, out.logits[:, 0], state.sampling)
+        tok = state.sampling.replayed(state.length + 1, choose_rows(row_key, out.logits[:, 0], state.sampling))
     zero = jnp.zeros_like(state.length)
     state = state.replace(target_cache=tcache, rng=rng, length=jnp.where(active, state.length + 1, state.length),
                           last_token=jnp.where(active, tok, state.last_token))
@@ -206,6 +209,27 @@ def _accept_rows(state: DecodeState, active, logits, drafts, q):
 
     m, emitted = jax.lax.cond(jnp.any(~rows.greedy), sampled, lambda: (m_g, e_g))
     return state, m, emitted
+
+
+def _replay_accept(rows, length, logits, m, emitted):
+    """Acceptance of the rows that replay tokens they had generated before a preemption
+    (:attr:`~diffspec_jax.sampling.SamplingRows.replay`): their drafts at positions below ``replay_end`` were
+    replaced by those tokens, which are taken whatever the target says (what the request already returned), so at
+    least ``f = clip(replay_end - 1 - length, 0, K)`` drafts count as accepted. A row whose own acceptance stopped
+    short of ``f`` (its target disagreed with a replayed token) takes the target's choice at row ``f`` (the argmax, or
+    a sample of the row's distribution with a key of its own) after them; every emitted position below
+    ``replay_end`` is the replayed token. Other rows are unchanged. ``logits [B, K+1, V]``, ``m [B]``, ``emitted
+    [B, K+1]``."""
+    k = emitted.shape[1] - 1
+    f = jnp.clip(rows.replay_end - 1 - length, 0, k)
+    short = m < f
+    own = jax.lax.cond(jnp.any(short), lambda: choose_rows(
+        split_rows(rows.key, 3)[2], jnp.take_along_axis(logits, f[:, None, None], axis=1)[:, 0], rows),
+        lambda: jnp.zeros_like(m))
+    col = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    emitted = jnp.where(short[:, None] & (col == f[:, None]), own[:, None], emitted)
+    emitted = rows.replayed(length[:, None] + 1 + col, emitted)
+    return jnp.maximum(m, f), emitted
 
 
 def _tree_accept_rows(plan: Plan, state: DecodeState, active, logits, t):

@@ -409,6 +409,10 @@ def prometheus_text(m: dict[str, Any], http_errors: dict[int, int]) -> str:
                 m["prefix_cache_hits"]),
         counter("preemptions", "requests preempted (pages freed, recomputed later) when the pool ran short",
                 t("preemptions")),
+        counter("replayed_tokens", "tokens a preempted request re-emitted while it recomputed (not streamed again)",
+                t("replayed_tokens")),
+        counter("replay_mismatches", "replayed blocks that differed from what the request had streamed (0 unless a "
+                "bug)", t("replay_mismatches")),
         gauge("generation_tokens_per_second", "generated tokens per second over the last 10 s", m["tokens_per_s"]),
         gauge("mean_acceptance_length", "tokens emitted per verification (accepted drafts + 1), since start",
               m["mean_acceptance_length"] or 0.0, policy),

@@ -259,6 +259,9 @@ class Request:
         self.preemptions = 0
         self.admitted_seq = 0  # the engine's admission counter when it last joined a slot
         self.committed = 0  # positions of its current admission committed to the page manager
+        #: tokens it generated before a preemption that its current admission has not re-emitted yet
+        #: (:meth:`SlotEngine._admit`: the device replays them; they are not delivered twice)
+        self.replay_left = 0
         self.first_token_at: float | None = None
         #: ``time.monotonic()`` when it was last admitted, its last prefill chunk and its start were dispatched
         #: (benchmarks break the time to its first token down with them)
@@ -359,6 +362,9 @@ class SlotEngine:
         self._namespace = plan.prefix_namespace(target.dtype)
         #: the draft's store lags the committed length by the pending entries (projected at the next draft step 0)
         self._store_lag = plan.k + 1 if plan.draft_store else 0
+        #: a preempted request's generated tokens are replayed by the decode loop (chains and the target alone);
+        #: tree blocks prefill them with its prompt
+        self._replays = not plan.tree_mode
         self.pager = self._new_pager()
         self._table = np.full((b, self.max_pages), self.num_pages, np.int32)
         self._table_dirty = True
@@ -732,9 +738,11 @@ class SlotEngine:
         Admissions that begin while no slot decodes form a wave (see the module docstring)."""
         while self._waiting and None in self.slots:
             req = self._waiting[0]
-            ids = self._context(req)
+            replay = self._replays and bool(req.tokens)
+            ids = np.asarray(req.prompt_ids, np.int32) if replay else self._context(req)
             try:  # (one walk of the prompt's hash chain: a refused admission changes nothing)
-                adm = self.pager.admit(req.id, ids)
+                adm = self.pager.admit(req.id, ids, reserve=max(0, self._reserve(req) - len(ids)),  # what _start takes
+                                       max_cached=self._replay_start(req, ids) if replay else None)
             except OutOfPages:
                 if not any(self.slots):  # nothing will free pages: cannot happen (construction checks one fits)
                     raise RuntimeError(f"request {req.id} does not fit an idle KV pool") from None
@@ -747,6 +755,7 @@ class SlotEngine:
             self.slots[slot], req.slot, req.phase = req, slot, "prefill"
             req.marks["admitted"] = time.monotonic()
             req.committed = adm.cached_tokens
+            req.replay_left = len(req.tokens) if replay else 0
             if req.cached_tokens is None:
                 req.cached_tokens = adm.cached_tokens
             self._set_table(slot, adm.pages)
@@ -775,9 +784,21 @@ class SlotEngine:
 
     @staticmethod
     def _context(req: Request) -> np.ndarray:
-        """The tokens a request's slot must hold before it decodes on: its prompt, and after a preemption the
-        tokens it had generated (recomputed, so greedy output is unchanged)."""
+        """A request's tokens so far: its prompt and the tokens it generated (after a preemption its slot holds
+        them again once recomputed: replayed by the decode loop, or prefilled with the prompt in tree mode)."""
         return np.asarray(req.prompt_ids + req.tokens, np.int32)
+
+    def _replay_start(self, req: Request, prompt: np.ndarray) -> int:
+        """Where a preempted request's prompt is prefilled again from: the cached run of its full pages, cut back to
+        a chunk boundary of its first admission (which began at ``req.cached_tokens``), so every prompt position is
+        recomputed by the same chunk program over the same rows as the first time, to the bit; then its generated
+        tokens are replayed through verify steps as they were produced (:attr:`SamplingRows.replay
+        <diffspec_jax.sampling.SamplingRows.replay>`). When fewer pages than the first admission reused are still
+        cached, the prompt's chunks cannot repeat the first ones (the recomputed rows may round differently)."""
+        hit, first = self.pager.cached_prefix(prompt), req.cached_tokens or 0
+        if hit < first:
+            return hit
+        return first + (hit - first) // self.prefill_chunk * self.prefill_chunk
 
     def _commit(self, req: Request, computed: int) -> None:
         """Tell the page manager that ``req``'s positions below ``computed`` are final (never moving backwards, never
@@ -908,6 +929,10 @@ class SlotEngine:
         length = np.array([a.length], np.int32)
         n = int(length[0])
         p = req.params
+        replay = np.zeros((1, self.capacity), np.int32)
+        ctx = self._context(req)
+        replay[0, :len(ctx)] = ctx  # (a request that replays nothing: its prompt, never past replay_end)
+        replay_end = np.array([len(ctx) if req.replay_left else 0], np.int32)
         # the context's full pages are final (with a draft store: below its last position, whose entry is pending)
         self._commit(req, n - 1 if self._store_lag else n)
         if not self._grow(req, self._reserve(req)):
@@ -923,8 +948,8 @@ class SlotEngine:
         self._sync_table()
         self._state, self._loop, first, anchors = self._progs.start(
             self.clock, self.tparams, self.dparams, self._state, self._loop, a.acc, np.int32(slot), length,
-            np.int32(p.max_tokens - len(req.tokens)), self._stops[slot].copy(), np.bool_(retrieve),
-            self._drafter_context(req))
+            np.int32(p.max_tokens - len(req.tokens) + req.replay_left), self._stops[slot].copy(), np.bool_(retrieve),
+            replay, replay_end, self._drafter_context(req))
         req.phase = "decode"
         req.marks["started"] = time.monotonic()
         self._pending.append(("start", req, slot, first, anchors, retrieve))
@@ -1019,6 +1044,14 @@ class SlotEngine:
     def _deliver(self, req: Request, toks: list[int]) -> None:
         """Hand new tokens to the request: its output processor (stop strings) and its sink. A failure here fails
         this request only."""
+        if req.replay_left and toks:  # tokens it had returned before a preemption, emitted again: not twice
+            n = min(req.replay_left, len(toks))
+            at = len(req.tokens) - req.replay_left
+            if toks[:n] != req.tokens[at:at + n]:
+                self._bump("replay_mismatches", 1)
+            req.replay_left -= n
+            toks = toks[n:]
+            self._bump("replayed_tokens", n)
         if not toks:
             return
         try:
@@ -1075,7 +1108,7 @@ class SlotEngine:
                 if req.phase == "decode" and self.error is None:  # every position but the newest token's is final
                     if self._store_lag:  # once the draft's pending entries are in its store
                         self._state = self._progs.flush(self.clock, self.dparams, self._state, np.int32(slot))
-                    self._commit(req, len(req.prompt_ids) + len(req.tokens) - 1)
+                    self._commit(req, len(req.prompt_ids) + len(req.tokens) - req.replay_left - 1)
                 self.pager.free(req.id)
             self._set_table(slot, ())
             self.slots[slot] = None
