@@ -21,8 +21,9 @@ Output:
 
 Grid ``(B, Hkv * row_blocks, splits)``: each program takes up to ``max_rows`` of the ``T x G`` query rows of one
 KV head (row ``t * G + j``, padded to a power of two >= 16 for the dot; ``row_blocks = 1`` unless T x G exceeds
-``max_rows``, e.g. a large tree block) and one contiguous range of ``tiles_per_split`` tiles of ``block`` cache rows,
-walks the range with an online softmax (:func:`pallas_kernels.common.online_softmax_step`), so all the query rows of
+``max_rows``, e.g. a large tree block) and one of ``splits`` equal contiguous ranges of whole ``block``-row tiles
+that cover its row's prefix (``ceil(ceil(lengths[b] / block) / splits)`` tiles each: a short row's prefix is spread
+over all its programs as a long row's is), walks the range with an online softmax (:func:`pallas_kernels.common.online_softmax_step`), so all the query rows of
 a KV head share one read of each K and V tile, and writes unnormalised partial outputs with their (max, sum)
 statistics. Tiles wholly at or past ``lengths[b]`` are not read (a data-dependent trip count), and a split with no
 visible row writes no partial output. In the ``causal`` form the prefix tiles keep this one-dimensional mask, and
@@ -68,16 +69,22 @@ def _sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_SMS)
 
 
+#: the most rows :func:`default_splits` counts on to fill the device: a larger static batch (a server's slots) may
+#: hold only a few live requests, each of which then still gets enough programs
+SPLIT_BATCH = 8
+
+
 def default_splits(batch: int, programs_per_split: int, seq_len: int, block: int, *, sms: int | None = None,
                    waves: int = 4, min_split_rows: int = 256) -> int:
-    """How many ranges to split a cache of ``seq_len`` rows into: enough for about ``waves`` programs per SM over
-    the whole grid (``batch x programs_per_split x splits`` programs; ``programs_per_split = Hkv x row_blocks``),
-    but no range shorter than ``min_split_rows`` rows (nor than one ``block`` tile), so the partial outputs stay
-    small next to the cache rows read. E.g. 132 SMs, 8 KV heads, block 64: 64K rows at batch 1 -> 66 (64 after
-    rounding to whole tiles per split), at batch 8 -> 9; 8K rows at batch 1 -> 32."""
+    """How many ranges to split each row's prefix into: enough for about ``waves`` programs per SM over the grid
+    (``batch x programs_per_split x splits`` programs; ``programs_per_split = Hkv x row_blocks``; ``batch`` counted
+    up to :data:`SPLIT_BATCH`), but no range shorter than ``min_split_rows`` rows (nor than one ``block`` tile) of a
+    ``seq_len``-row cache, so the partial outputs stay small next to the cache rows read. E.g. 132 SMs, 8 KV heads,
+    block 64: 64K rows at batch 1 -> 66 (64 after rounding to whole tiles per split), at batch 8 (or 64) -> 9; 8K
+    rows at batch 1 -> 32."""
     sms = sms or _sm_count()
     n_tiles = -(-seq_len // block)
-    wanted = -(-(waves * sms) // (batch * programs_per_split))
+    wanted = -(-(waves * sms) // (min(batch, SPLIT_BATCH) * programs_per_split))
     return max(1, min(wanted, seq_len // min_split_rows, n_tiles))
 
 
@@ -160,8 +167,13 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     prefix = plgpu.load(len_ref.at[b])
     inline = causal and deterministic                     # the block rows walked in the prefix's tiles
     length = jnp.clip(prefix + steps if inline else prefix, 0, seq_len)
-    first = s * tiles_per_split * block
-    n_tiles = jnp.clip((length - first + block - 1) // block, 0, tiles_per_split)
+    if deterministic:  # fixed ranges of absolute positions
+        per_split = tiles_per_split
+    else:  # the row's own prefix cut into `splits` equal ranges of whole tiles: a short row (a static batch's slot
+        # holding a short request) keeps all its programs busy instead of leaving them to the empty end of the cache
+        per_split = jnp.maximum(1, ((length + block - 1) // block + splits - 1) // splits)
+    first = s * per_split * block
+    n_tiles = jnp.clip((length - first + block - 1) // block, 0, per_split)
 
     def where(pos, visible):                              # (sequence, row) of positions in the K/V buffers
         if not page_size:
@@ -194,7 +206,7 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     saw = n_tiles > 0
     if causal and not inline:  # the block rows prefix .. prefix + steps - 1, once, by the split whose range
         # holds row `prefix`
-        owns = s == jnp.minimum(length // (tiles_per_split * block), splits - 1)
+        owns = s == jnp.minimum(length // (per_split * block), splits - 1)
         width = next_pow2(steps, 16)
 
         def block_tile(_, carry):
@@ -276,16 +288,16 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
                        num_stages=num_stages or stages),
     )(q, k, v, lengths, *extra)
     # split j saw rows iff it starts before the length (the kernel's n_tiles > 0); the others wrote no output
-    starts = (jnp.arange(splits) * (tiles_per_split * block))[None, :]
-    if deterministic:  # the block rows were walked in the prefix's tiles
+    if deterministic:  # the block rows were walked in the prefix's tiles (fixed ranges of absolute positions)
+        starts = (jnp.arange(splits) * (tiles_per_split * block))[None, :]
         live = starts < jnp.clip(lengths + (t if causal else 0), 0, s_len)[:, None]
         out, lse = merge_splits_ordered(o, m, l, live)     # [B, Hkv, T * G, D], [B, Hkv, T * G]
-    else:
+    else:  # each row's prefix in `splits` equal ranges of whole tiles (the kernel's per_split)
         prefix = jnp.clip(lengths, 0, s_len)[:, None]
-        live = starts < prefix
+        per = jnp.maximum(1, (-(-prefix // block) + splits - 1) // splits) * block
+        live = jnp.arange(splits)[None, :] * per < prefix
         if causal:  # and the split that attended the block
-            live = live | (jnp.arange(splits)[None, :] == jnp.minimum(prefix // (tiles_per_split * block),
-                                                                       splits - 1))
+            live = live | (jnp.arange(splits)[None, :] == jnp.minimum(prefix // per, splits - 1))
         out, lse = merge_splits(o, m, l, live)             # [B, Hkv, T * G, D], [B, Hkv, T * G]
     empty = (jnp.clip(lengths + (t if causal else 0), 0, s_len) <= 0)[:, None, None]
     out = jnp.where(empty[..., None], 0.0, rows_to_heads(out, t, group))
