@@ -123,14 +123,14 @@ def test_prefix_cache_and_preemption(pair, engine):
     _idle_pages_ok(engine)
 
 
-def test_replay_accept_forces_the_replayed_tokens():
-    """A replaying row's cycle (``verify._replay_accept``) against a NumPy rule on fresh random logits: positions
+def testreplay_accept_forces_the_replayed_tokens():
+    """A replaying row's cycle (``verify.replay_accept``) against a NumPy rule on fresh random logits: positions
     below ``replay_end`` emit the replayed tokens and count as accepted whatever the target's acceptance was; a row
     whose acceptance stopped short of them takes the target's argmax at the row after them; other rows unchanged."""
     import jax.numpy as jnp
     import numpy as np
 
-    from diffspec_jax.engine.verify import _replay_accept
+    from diffspec_jax.engine.verify import replay_accept
     from diffspec_jax.sampling import SamplingRows
 
     rng = np.random.default_rng(11)
@@ -142,7 +142,7 @@ def test_replay_accept_forces_the_replayed_tokens():
     emitted = rng.integers(0, v, (b, k + 1)).astype(np.int32)
     replay = rng.integers(0, v, (b, cap)).astype(np.int32)
     rows = SamplingRows.create(b, cap).replace(replay=jnp.asarray(replay), replay_end=jnp.asarray(end))
-    got_m, got = _replay_accept(rows, jnp.asarray(length), jnp.asarray(logits), jnp.asarray(m), jnp.asarray(emitted))
+    got_m, got = replay_accept(rows, jnp.asarray(length), jnp.asarray(logits), jnp.asarray(m), jnp.asarray(emitted))
     for i in range(b):
         f = int(np.clip(end[i] - 1 - length[i], 0, k))
         want = emitted[i].copy()

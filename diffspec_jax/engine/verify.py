@@ -78,7 +78,7 @@ def _spec_cycle(plan: Plan, tparams, dparams, state: DecodeState, active, depth_
                            snapshots=True)
     if state.sampling is not None:
         state, m, emitted = _accept_rows(state, active, out.logits, drafts, q)
-        m, emitted = _replay_accept(state.sampling, state.length, out.logits, m, emitted)
+        m, emitted = replay_accept(state.sampling, state.length, out.logits, m, emitted)
     elif plan.sampling.greedy:
         m, emitted = verification.greedy_accept(out.logits, drafts)
     else:
@@ -211,7 +211,7 @@ def _accept_rows(state: DecodeState, active, logits, drafts, q):
     return state, m, emitted
 
 
-def _replay_accept(rows, length, logits, m, emitted):
+def replay_accept(rows, length, logits, m, emitted):
     """Acceptance of the rows that replay tokens they had generated before a preemption
     (:attr:`~diffspec_jax.sampling.SamplingRows.replay`): their drafts at positions below ``replay_end`` were
     replaced by those tokens, which are taken whatever the target says (what the request already returned), so at
