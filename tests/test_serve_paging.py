@@ -123,7 +123,7 @@ def test_prefix_cache_and_preemption(pair, engine):
     _idle_pages_ok(engine)
 
 
-def testreplay_accept_forces_the_replayed_tokens():
+def test_replay_accept_forces_the_replayed_tokens():
     """A replaying row's cycle (``verify.replay_accept``) against a NumPy rule on fresh random logits: positions
     below ``replay_end`` emit the replayed tokens and count as accepted whatever the target's acceptance was; a row
     whose acceptance stopped short of them takes the target's argmax at the row after them; other rows unchanged."""
