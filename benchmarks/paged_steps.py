@@ -338,7 +338,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", default="8192x1,65536x1,131072x1,8192x8,32768x8",
                     help="CONTEXTxBATCH cells, run in this order")
-    ap.add_argument("--page-size", type=int, default=64, help="tokens per page (the server's --block-size)")
+    ap.add_argument("--page-size", type=int, default=128,
+                    help="tokens per page (the server's --block-size; 128 is its default on a GPU)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="K/V layouts to time: contiguous and/or paged")
     ap.add_argument("--kv-cache-dtypes", default="auto",
                     help="K/V storage per layout: auto (bf16) and/or fp8 (8-bit rows, issue 41), side by side")

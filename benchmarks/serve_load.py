@@ -987,7 +987,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prefill-per-block", type=int, default=None,
                     help="the server's prompt tokens between two decode blocks while slots decode (default one chunk)")
     pool = ap.add_argument_group("the server's page pool (every workload)")
-    pool.add_argument("--block-size", type=int, default=64, help="tokens per K/V page (default 64)")
+    pool.add_argument("--block-size", type=int, default=128,
+                      help="tokens per K/V page (default 128, the server's default on a GPU)")
     pool.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                       help="the pool's K/V storage (fp8: 8-bit rows, issue 41; run the capacity workload once with "
                            "each to compare how many requests decode at once)")

@@ -60,8 +60,9 @@ def build_parser() -> ArgumentParser:
                     help=f"most tokens (prompt + generated) per request (default: the target's context window, at "
                          f"most {DEFAULT_MAX_MODEL_LEN}; on a CPU {CPU_MAX_MODEL_LEN}, since every decode step there "
                          f"costs in proportion to --max-num-seqs x --max-model-len)")
-    ap.add_argument("--block-size", type=int, default=64,
-                    help="tokens per page of the paged K/V pool (a power of two, 16 to 256; default 64)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="tokens per page of the paged K/V pool (a power of two, 16 to 256; default 128 on a GPU, "
+                         "64 elsewhere)")
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="pages in the K/V pool (default: sized by --kv-cache-memory-fraction on a GPU; on a CPU what "
                          "--max-num-seqs requests of --max-model-len tokens need)")
