@@ -73,8 +73,8 @@ for i in "${!TODO[@]}"; do
         --out "$OUT/capacity" ${CAPACITY_ARGS:-} ;;
     pressure)
       # shellcheck disable=SC2086
-      run_stage pressure "$secs" python3 benchmarks/serve_load.py --workloads pressure --time-budget-s "$secs" \
-        --out "$OUT/pressure" ${PRESSURE_ARGS:-} ;;
+      run_stage pressure "$secs" python3 benchmarks/serve_load.py --workloads pressure --deterministic \
+        --time-budget-s "$secs" --out "$OUT/pressure" ${PRESSURE_ARGS:-} ;;
   esac
 done
 echo "total $(( $(date +%s) - start )) s" | tee -a "$LOG"
