@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (NEG, call_options, dot_precision, merge_splits, merge_splits_ordered, next_pow2,
-                                   online_softmax_step, rows_to_heads)
+                                   online_softmax_step, paged_rows, rows_to_heads)
 
 #: streaming multiprocessors assumed where the device does not say (the H200's)
 DEFAULT_SMS = 132
@@ -86,6 +86,13 @@ def default_splits(batch: int, programs_per_split: int, seq_len: int, block: int
     n_tiles = -(-seq_len // block)
     wanted = -(-(waves * sms) // (min(batch, SPLIT_BATCH) * programs_per_split))
     return max(1, min(wanted, seq_len // min_split_rows, n_tiles))
+
+
+def split_tiles(length, block: int, splits: int):
+    """Tiles per split of a row whose prefix holds ``length`` cache rows (int32, any shape): its prefix cut into
+    ``splits`` equal ranges of whole ``block``-row tiles (at least one tile), used alike by the kernel's programs
+    and by the epilogue that tells which splits saw rows."""
+    return jnp.maximum(1, ((length + block - 1) // block + splits - 1) // splits)
 
 
 def _check_pow2(name: str, n: int, lo: int = 16) -> None:
@@ -171,20 +178,13 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
         per_split = tiles_per_split
     else:  # the row's own prefix cut into `splits` equal ranges of whole tiles: a short row (a static batch's slot
         # holding a short request) keeps all its programs busy instead of leaving them to the empty end of the cache
-        per_split = jnp.maximum(1, ((length + block - 1) // block + splits - 1) // splits)
+        per_split = split_tiles(length, block, splits)
     first = s * per_split * block
     n_tiles = jnp.clip((length - first + block - 1) // block, 0, per_split)
 
-    def where(pos, visible):                              # (sequence, row) of positions in the K/V buffers
-        if not page_size:
-            return b, pos
-        col = jnp.clip(pos // page_size, 0, pt_ref.shape[1] - 1)
-        page = plgpu.load(pt_ref.at[b, col], mask=visible, other=0)
-        return 0, page * page_size + pos % page_size    # the pool's one "sequence", through the page table
-
     def tile(carry, pos, visible, seen):
         mask = cols_in(visible[:, None])                  # rows not visible are never read
-        sb, row = where(pos, visible)
+        sb, row = paged_rows(pt_ref, b, pos, visible, page_size)
         k = plgpu.load(k_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
         v = plgpu.load(v_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
         ks = vs = None
@@ -294,7 +294,7 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
         out, lse = merge_splits_ordered(o, m, l, live)     # [B, Hkv, T * G, D], [B, Hkv, T * G]
     else:  # each row's prefix in `splits` equal ranges of whole tiles (the kernel's per_split)
         prefix = jnp.clip(lengths, 0, s_len)[:, None]
-        per = jnp.maximum(1, (-(-prefix // block) + splits - 1) // splits) * block
+        per = split_tiles(prefix, block, splits) * block
         live = jnp.arange(splits)[None, :] * per < prefix
         if causal:  # and the split that attended the block
             live = live | (jnp.arange(splits)[None, :] == jnp.minimum(prefix // per, splits - 1))

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import call_options, dot_precision, matmul, next_pow2
+from pallas_kernels.common import call_options, dot_precision, matmul, next_pow2, paged_rows
 
 
 def _kernel(q_ref, lse_ref, k_ref, root_ref, *refs, block, tiles, chunk, seq_len, group, head_dim, num_chunks,
@@ -64,18 +64,11 @@ def _kernel(q_ref, lse_ref, k_ref, root_ref, *refs, block, tiles, chunk, seq_len
     # tiles wholly past the root are not walked (a data-dependent trip count): their chunks score 0 in the epilogue
     n_tiles = jnp.clip((jnp.minimum(root + 1, seq_len) - first + block - 1) // block, 0, tiles)
 
-    def where(pos, visible):  # (sequence, row) of positions in the key buffer
-        if not page_size:
-            return b, pos
-        col = jnp.clip(pos // page_size, 0, pt_ref.shape[1] - 1)
-        page = plgpu.load(pt_ref.at[b, col], mask=visible, other=0)  # entries past the root are never read
-        return 0, page * page_size + pos % page_size  # the pool's one "sequence", through the page table
-
     def body(i, carry):  # a software-pipelined walk over this program's tiles
         start = first + i * block
         pos = start + jnp.arange(block)
         visible = (pos <= root) & (pos < seq_len)  # masked-off rows are not read
-        sb, row = where(pos, visible)
+        sb, row = paged_rows(pt_ref, b, pos, visible, page_size)  # (table entries past the root never read)
         k = plgpu.load(k_ref.at[sb, g, row[:, None], d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
         if fp8:
             k = k.astype(jnp.bfloat16)

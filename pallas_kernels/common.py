@@ -141,6 +141,20 @@ def matmul(a, b, *, trans_b: bool = False, precision=None):
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def paged_rows(pt_ref, b, pos, visible, page_size: int):
+    """Inside a Pallas GPU kernel: where sequence ``b``'s positions ``pos`` (int32 vector) lie in its K/V buffer,
+    as ``(sequence index, rows)``. Contiguous buffers (``page_size`` 0): ``(b, pos)``. A paged pool
+    ``[1, H, N * P, D]``: ``(0, pages[b, pos // P] * P + pos % P)`` through the page table ``pt_ref`` ``[B,
+    max_pages]``, its entries loaded only where ``visible`` (past a sequence's pages they may be anything)."""
+    if not page_size:
+        return b, pos
+    from jax.experimental.pallas import triton as plgpu
+
+    col = jnp.clip(pos // page_size, 0, pt_ref.shape[1] - 1)
+    page = plgpu.load(pt_ref.at[b, col], mask=visible, other=0)
+    return 0, page * page_size + pos % page_size
+
+
 def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=None, v_scale=None):
     """One key tile of an online softmax, inside a kernel (float32 statistics).
 

@@ -779,11 +779,8 @@ class SlotEngine:
                 self._admissions[slot] = _Admission(req, slot, tokens, n, self._acc(self.clock), start=start,
                                                     length=len(ids))
 
-    def _drafter_context(self, req: Request) -> np.ndarray | None:
-        """The slot's whole context, zero padded to the capacity, for the plan's drafter (``None`` without one): a
-        prefix cache's reused pages hold no tokens."""
-        if not self.plan.drafter_context:
-            return None
+    def _padded_context(self, req: Request) -> np.ndarray:
+        """The request's tokens so far (:meth:`_context`), zero padded to the capacity: int32 ``[1, capacity]``."""
         ids = self._context(req)
         out = np.zeros((1, self.capacity), np.int32)
         out[0, :len(ids)] = ids
@@ -936,10 +933,10 @@ class SlotEngine:
         length = np.array([a.length], np.int32)
         n = int(length[0])
         p = req.params
-        replay = np.zeros((1, self.capacity), np.int32)
-        ctx = self._context(req)
-        replay[0, :len(ctx)] = ctx  # (a request that replays nothing: its prompt, never past replay_end)
-        replay_end = np.array([len(ctx) if req.replay_left else 0], np.int32)
+        # the tokens it replays (none past replay_end: 0 when it replays nothing), and its drafter's context (a
+        # prefix cache's reused pages hold no tokens)
+        context = self._padded_context(req)
+        replay_end = np.array([len(req.prompt_ids) + len(req.tokens) if req.replay_left else 0], np.int32)
         # the context's full pages are final (with a draft store: below its last position, whose entry is pending)
         self._commit(req, n - 1 if self._store_lag else n)
         if not self._grow(req, self._reserve(req)):
@@ -956,7 +953,7 @@ class SlotEngine:
         self._state, self._loop, first, anchors = self._progs.start(
             self.clock, self.tparams, self.dparams, self._state, self._loop, a.acc, np.int32(slot), length,
             np.int32(p.max_tokens - len(req.tokens) + req.replay_left), self._stops[slot].copy(), np.bool_(retrieve),
-            replay, replay_end, self._drafter_context(req))
+            context, replay_end, context if self.plan.drafter_context else None)
         req.phase = "decode"
         req.marks["started"] = time.monotonic()
         self._pending.append(("start", req, slot, first, anchors, retrieve))
