@@ -214,10 +214,10 @@ def summarize(results: list[dict], ids_text: bool) -> dict:
     known), TPOT, output tokens/s and requests decoding at once of one load run (definitions:
     :data:`DEFINITIONS`)."""
     ok = [r for r in results if not r.get("error") and r.get("chunks")]
-    ttft, gaps, itl, tpot, per_chunk, tokens = [], [], [], [], [], 0
+    ttft, gaps, itl, tpot, per_chunk, tokens, where = [], [], [], [], [], 0, []
     first_send = min((r["sent"] for r in ok), default=0.0)
     last = max((r["chunks"][-1][0] for r in ok), default=0.0)
-    for r in ok:
+    for i, r in ((i, r) for i, r in enumerate(results) if not r.get("error") and r.get("chunks")):
         times = [t for t, _ in r["chunks"]]
         ttft.append(times[0] - r["sent"])
         n = r["usage"]["completion_tokens"] if r.get("usage") else None
@@ -225,8 +225,9 @@ def summarize(results: list[dict], ids_text: bool) -> dict:
             counts = [text.count(" ") for _, text in r["chunks"]]
             n = sum(counts)
             per_chunk += counts[1:]
-            for (t_prev, t), c in zip(zip(times, times[1:]), counts[1:]):
+            for j, ((t_prev, t), c) in enumerate(zip(zip(times, times[1:]), counts[1:])):
                 itl += [(t - t_prev) / c] * c
+                where.append((i, j + 1, len(times), c, t - t_prev, t_prev - first_send))
         gaps += list(np.diff(times))
         tokens += n or 0
         if n and n > 1:
@@ -238,7 +239,19 @@ def summarize(results: list[dict], ids_text: bool) -> dict:
             "ttft_s": {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "mean": float(np.mean(ttft)) if ttft else None},
             "chunk_gap_s": _spread(gaps), "itl_s": _spread(itl) if ids_text else None,
             "tokens_per_chunk": float(np.mean(per_chunk)) if per_chunk else None, "tpot_s": _spread(tpot),
-            "decoding_at_once": decoding_concurrency(results)}
+            "decoding_at_once": decoding_concurrency(results), "itl_outliers": _itl_outliers(where, itl)}
+
+
+def _itl_outliers(where: list[tuple], itl: list[float], over: float = 1.5, keep: int = 40) -> dict | None:
+    """The streamed chunks whose per-token ITL exceeds ``over`` x the median (what sets the p99): how many, and
+    the first ``keep`` as ``[request, chunk index, chunks in the request, tokens, gap s, sent at s since the
+    load's first send]``."""
+    if not itl:
+        return None
+    cut = over * pct(itl, 50)
+    rows = [list(w) for w in where if w[4] / w[3] > cut]
+    return {"over_median": over, "chunks": len(rows), "of": len(where),
+            "tokens": int(sum(w[3] for w in rows)), "first": rows[:keep]}
 
 
 def engine_snapshot(url: str) -> dict | None:

@@ -94,7 +94,14 @@ class KVCache(_LayerBuffers):
             paged, ``[1, Hkv_local, N * P, D]``: one pool of ``N`` pages of ``P`` rows shared by every sequence.
         pages: ``None`` (contiguous), or int32 ``[B, max_pages]``: sequence b's position p lives in pool row
             ``pages[b, p // P] * P + p % P``; an entry ``>= N`` (or ``< 0``) is an unallocated page, whose writes
-            are dropped and whose reads are never visible (:func:`page_rows`).
+            land in the scratch page and whose reads are never visible (:func:`page_rows`).
+
+    A pool holds :func:`pool_rows` rows: its ``N`` pages and one more, the **scratch page** (index ``N``, the
+    unallocated entry of every page table). Rows that must not land anywhere (an empty slot's verify rows, a
+    parked slot's, prompt padding past a sequence's pages) are written there, inside the buffer, instead of at an
+    index past its end that the scatter must drop, and a Pallas kernel loading through an unallocated entry (an
+    empty slot's attention, a draft gather) reads the scratch page instead of memory past the pool. No query ever
+    sees a scratch row.
         page_size: static ``P`` (0 when contiguous).
     """
 
@@ -122,9 +129,9 @@ class KVCache(_LayerBuffers):
     @classmethod
     def create_paged(cls, config: ModelConfig, batch: int, num_pages: int, page_size: int, max_pages: int,
                      dtype=jnp.bfloat16, num_kv_heads: int | None = None, kv_cache_dtype: str = "auto") -> KVCache:
-        """Zero-filled pools of ``num_pages`` pages of ``page_size`` rows per layer, and a page table of
-        ``batch x max_pages`` entries, all unallocated (``num_pages``)."""
-        shape = (1, num_kv_heads or config.num_key_value_heads, num_pages * page_size, config.head_dim)
+        """Zero-filled pools of ``num_pages`` pages of ``page_size`` rows per layer (and the scratch page:
+        :func:`pool_rows`), and a page table of ``batch x max_pages`` entries, all unallocated (``num_pages``)."""
+        shape = (1, num_kv_heads or config.num_key_value_heads, pool_rows(num_pages, page_size), config.head_dim)
         n = config.num_hidden_layers
         return cls(k=zero_buffers(shape, dtype, kv_cache_dtype, n), v=zero_buffers(shape, dtype, kv_cache_dtype, n),
                    pages=jnp.full((batch, max_pages), num_pages, jnp.int32), page_size=page_size)
@@ -215,29 +222,36 @@ def create_paged_cache(config: ModelConfig, batch: int, num_pages: int, page_siz
         return KVCache.create_paged(config, batch, num_pages, page_size, max_pages, dtype, num_kv_heads=kv,
                                     kv_cache_dtype=kv_cache_dtype)
     cache = create_cache(config, batch, 1, dtype, tp=tp)
-    pool = (1, kv, num_pages * page_size, config.head_dim)
+    pool = (1, kv, pool_rows(num_pages, page_size), config.head_dim)
     n = len(config.full_attention_layers)
     return cache.replace(k=zero_buffers(pool, dtype, kv_cache_dtype, n), v=zero_buffers(pool, dtype, kv_cache_dtype, n),
                          pages=jnp.full((batch, max_pages), num_pages, jnp.int32), page_size=page_size)
 
 
-def page_rows(pages: jax.Array, positions: jax.Array, page_size: int, pool_rows: int) -> jax.Array:
+def pool_rows(num_pages: int, page_size: int) -> int:
+    """Rows of a pool of ``num_pages`` pages of ``page_size``: the pages and the scratch page (:class:`KVCache`)."""
+    return (num_pages + 1) * page_size
+
+
+def page_rows(pages: jax.Array, positions: jax.Array, page_size: int, rows: int) -> jax.Array:
     """Pool rows of absolute ``positions`` (int ``[B, T]``) under the page table ``pages [B, max_pages]``:
-    ``pages[b, p // P] * P + p % P``. A position that is negative, past the table, or on an unallocated page maps
-    to ``pool_rows`` (one past the pool): writes there are dropped, and no read of it is ever visible."""
+    ``pages[b, p // P] * P + p % P``, for a pool of ``rows`` rows whose last page is the scratch page
+    (:func:`pool_rows`). A position that is negative, past the table, or on an unallocated page maps to a row of
+    the scratch page: writes there land inside the buffer and no read of it is ever visible."""
     positions = positions.astype(jnp.int32)
     col = positions // page_size
     page = jnp.take_along_axis(pages, jnp.clip(col, 0, pages.shape[1] - 1), axis=1)
     row = page * page_size + positions % page_size
-    ok = (positions >= 0) & (col < pages.shape[1]) & (page >= 0) & (row < pool_rows)
-    return jnp.where(ok, row, pool_rows).astype(jnp.int32)
+    scratch = rows - page_size
+    ok = (positions >= 0) & (col < pages.shape[1]) & (page >= 0) & (row < scratch)
+    return jnp.where(ok, row, scratch + positions % page_size).astype(jnp.int32)
 
 
 def page_view(buf: jax.Array | Fp8Rows, pages: jax.Array, page_size: int, *, heads_first: bool = True
               ) -> jax.Array | Fp8Rows:
     """A pool ``[1, H, N * P, D]`` (``heads_first``) or ``[1, N * P, H, D]`` read as per-sequence buffers
     ``[B, H, max_pages * P, D]`` (or ``[B, max_pages * P, H, D]``) through ``pages [B, max_pages]``; unallocated
-    pages read as some page's rows (never visible: they lie past every committed length). An 8-bit pool gives an
+    pages read as the scratch page (never visible: they lie past every committed length). An 8-bit pool gives an
     8-bit view (values and scales gathered alike)."""
     if is_fp8(buf):
         return rowwise(lambda leaf: page_view(leaf, pages, page_size, heads_first=heads_first), buf)
@@ -255,7 +269,7 @@ def page_view(buf: jax.Array | Fp8Rows, pages: jax.Array, page_size: int, *, hea
 def write_paged(buf: jax.Array, rows: jax.Array, pages: jax.Array, positions: jax.Array, page_size: int, *,
                 heads_first: bool = True) -> jax.Array:
     """:func:`write_rows` into a pool (``[1, H, N * P, D]`` heads first, or ``[1, N * P, ...]``): ``rows [B, T,
-    ...]`` land at the pool rows of ``positions [B, T]`` (:func:`page_rows`); unallocated ones are dropped. An 8-bit
+    ...]`` land at the pool rows of ``positions [B, T]`` (:func:`page_rows`); unallocated ones in the scratch page. An 8-bit
     pool takes the rows quantized (:func:`diffspec_jax.kv_quant.encode_like`)."""
     if is_fp8(buf):
         return rowwise(lambda b, r: write_paged(b, r, pages, positions, page_size, heads_first=heads_first), buf,

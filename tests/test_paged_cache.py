@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffspec_jax.cache import KVCache, move_rows, page_rows, page_view, write_paged
+from diffspec_jax.cache import KVCache, move_rows, page_rows, page_view, pool_rows, write_paged
 from diffspec_jax.models.attention import cache_attention
 from pallas_kernels.common import use_kernels
 
@@ -31,7 +31,7 @@ def _paged_copy(rng, bufs, lengths, extra_pages=3):
         at += k
     pos = np.stack([np.arange(s)] * b)
     pos = jnp.asarray(np.where(pos < np.asarray(lengths)[:, None], pos, -1))
-    pools = [write_paged(jnp.asarray(rng.standard_normal((1, h, n * P, d)), buf.dtype),  # garbage elsewhere
+    pools = [write_paged(jnp.asarray(rng.standard_normal((1, h, pool_rows(n, P), d)), buf.dtype),  # garbage elsewhere
                          jnp.swapaxes(buf, 1, 2), jnp.asarray(pages), pos, P) for buf in bufs]
     return pools, jnp.asarray(pages)
 
@@ -82,10 +82,35 @@ def test_paged_step_equals_contiguous(backend, t, starts, tree):
 
 
 def test_page_rows_unallocated_and_out_of_range():
-    pages = jnp.asarray([[2, 0, 5], [1, 5, 5]], jnp.int32)  # 5 pages: id 5 = unallocated
+    """Positions on unallocated pages (id 5, or anything past the pool), past the table or negative map into the
+    scratch page (rows 5P .. 6P - 1), inside the pool."""
+    pages = jnp.asarray([[2, 0, 5], [1, 9, 5]], jnp.int32)  # 5 pages: id 5 = unallocated; 9: garbage
     pos = jnp.asarray([[0, 17, 33, 48, -1], [3, 16, 40, 47, 1000]], jnp.int32)
-    rows = np.asarray(page_rows(pages, pos, P, 5 * P))
-    np.testing.assert_array_equal(rows, [[32, 1, 5 * P, 5 * P, 5 * P], [19, 5 * P, 5 * P, 5 * P, 5 * P]])
+    rows = np.asarray(page_rows(pages, pos, P, pool_rows(5, P)))
+    s = 5 * P
+    np.testing.assert_array_equal(rows, [[32, 1, s + 1, s, s + 15], [19, s, s + 8, s + 15, s + 1000 % P]])
+
+
+def test_write_paged_lands_only_on_owned_pages_and_the_scratch_page():
+    """Empty slots' rows (an all-unallocated table), rows past a table and negative positions are written inside
+    the scratch page, never past the pool: every other pool row, page 0's first row in every head included (the row
+    an index one past a heads-first pool's end would name), keeps its value."""
+    rng = np.random.default_rng(7)
+    n, h, d = 4, 3, 8
+    pool = jnp.asarray(rng.standard_normal((1, h, pool_rows(n, P), d)), jnp.float32)
+    pages = jnp.asarray([[1, n, n], [n, n, n], [n, n, n]], jnp.int32)  # slot 0 owns page 1; slots 1, 2 are empty
+    pos = jnp.asarray([[3, 4, 20, 60, -2], [0, 1, 2, 3, 4], [40, 41, 42, 43, 44]], jnp.int32)
+    rows = jnp.asarray(rng.standard_normal((3, 5, h, d)), jnp.float32)
+    out = np.asarray(jax.jit(write_paged, static_argnums=4)(pool, rows, pages, pos, P))
+    before = np.asarray(pool)
+    np.testing.assert_array_equal(out[0, :, P + 3], np.asarray(rows)[0, 0])  # slot 0's rows on its page
+    np.testing.assert_array_equal(out[0, :, P + 4], np.asarray(rows)[0, 1])
+    for j in range(4):  # an empty slot's rows went to the scratch page (rows no other write names)
+        np.testing.assert_array_equal(out[0, :, n * P + j], np.asarray(rows)[1, j])
+    keep = np.ones(pool_rows(n, P), bool)
+    keep[[P + 3, P + 4]] = False
+    keep[n * P:] = False  # the scratch page may hold anything
+    np.testing.assert_array_equal(out[0][:, keep], before[0][:, keep])
 
 
 def test_move_rows_paged_equals_contiguous():

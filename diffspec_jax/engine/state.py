@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from diffspec_jax import retrieval, sharding, working_set
 from diffspec_jax.cache import HybridCache, KVCache, create_cache, create_paged_cache, fp8_specs
+from diffspec_jax.cache import pool_rows as cache_pool_rows
 from diffspec_jax.config import DraftConfig, ModelConfig, SamplingConfig, SpecConfig
 from diffspec_jax.models import family
 from diffspec_jax.sampling import SamplingRows
@@ -265,7 +266,7 @@ def _init_state(plan: Plan, batch: int, target_dtype, draft_dtype, seed: int, po
             raise ValueError(f"a paged capacity ({plan.capacity}) must be whole pages of {page_size}")
         tcache = create_paged_cache(tc, batch, num_pages, page_size, plan.capacity // page_size, target_dtype,
                                     tp=plan.tp, kv_cache_dtype=plan.kv_cache_dtype)
-        pool_rows = num_pages * page_size
+        pool_rows = cache_pool_rows(num_pages, page_size)
     drafter = plan.drafter
     return DecodeState(
         target_cache=tcache,
