@@ -386,8 +386,8 @@ def offline(target, draft, prompts, args) -> dict:
 
 
 def reference_alone(target, draft, prompts, args) -> dict:
-    """``generate()`` on each prompt alone (greedy, ``--new-tokens``, no stop ids): ``{"tokens": [...],
-    "wall_s"}``, what every completed server request must return."""
+    """``generate()`` on each prompt alone (greedy, ``--new-tokens``, no stop ids, the server's prefill chunk
+    width): ``{"tokens": [...], "wall_s"}``, what every completed server request must return."""
     from diffspec_jax import generate
     from diffspec_jax.engine.compile import capacity_bucket
 
@@ -396,8 +396,9 @@ def reference_alone(target, draft, prompts, args) -> dict:
     tc = target.config  # one capacity for every prompt: one set of programs
     cap = capacity_bucket(max(map(len, prompts)) + args.new_tokens + k + 1, tc.max_position_embeddings + k + 1)
     t = time.perf_counter()
+    width = engine_config(args, cap).prefill_width()
     tokens = [generate(target, draft, [p], max_new_tokens=args.new_tokens, spec=spec, stop_token_ids=(),
-                       max_cache_len=cap).tokens[0] for p in prompts]
+                       max_cache_len=cap, prefill_chunk=width).tokens[0] for p in prompts]
     return {"tokens": [list(map(int, x)) for x in tokens], "wall_s": time.perf_counter() - t}
 
 

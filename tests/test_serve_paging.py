@@ -225,3 +225,47 @@ def test_self_draft_server_reuses_prefixes_and_preempts(pair):
         _idle_pages_ok(eng)
     finally:
         eng.stop()
+
+
+def _deterministic_server_check() -> None:
+    """The body of :func:`test_deterministic_server_prefills_like_generate_alone` (run in a child process)."""
+    import diffspec_jax as dj
+    from diffspec_jax import demo
+    from diffspec_jax.generate import default_pair
+    from diffspec_jax.serving.scheduler import EngineConfig, Request, SamplingParams, SlotEngine
+    from transformers import AutoTokenizer
+
+    t = default_pair()[0]
+    target = dj.load_target(t, dtype="bfloat16")
+    spec = SpecConfig.from_flat(dict(num_speculative_tokens=4, deterministic=True))
+    prompt = AutoTokenizer.from_pretrained(t)(demo.prompt_text())["input_ids"][194:894]  # 700 tokens
+    n = 48
+    ref = dj.generate(target, None, [prompt], max_new_tokens=n, spec=spec, prefill_chunk=512,
+                      stop_token_ids=()).tokens[0]
+    eng = SlotEngine(target, None, spec, EngineConfig(max_num_seqs=1, max_model_len=1024, prefill_chunk=512,
+                                                      block_size=64))
+    eng.start()
+    try:
+        req = Request(list(prompt), SamplingParams(max_tokens=n, ignore_eos=True), lambda e: None)
+        _run(eng, [req])
+    finally:
+        eng.stop()
+    assert req.tokens == [int(x) for x in ref], "the deterministic server's answer differs from generate() alone"
+
+
+def test_deterministic_server_prefills_like_generate_alone():
+    """bfloat16, deterministic: a 700-token prompt (a full chunk of 512 and a tail of 188) is prefilled by the
+    server in full-width chunks, as generate() alone does, so its greedy answer is generate()'s to the token. With
+    the narrow tail chunks of the default mode the tail's K/V came from a verify step's attention, which rounds
+    differently, and this answer turned at token 38. In a child process at XLA:CPU's default options: the suite's
+    fast-compile options (-O0, the classic emitters) round a product of 2 x 5 rows differently from one of 5 rows
+    (a batch effect no attention setting controls) and hide the tail's difference."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, %r); import test_serve_paging as t; t._deterministic_server_check()"
+            % os.path.dirname(__file__))
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -4,7 +4,8 @@ One :class:`SlotEngine` owns a batch of ``max_num_seqs`` slots whose K/V live in
 the pages its request needs, through its page table; :mod:`diffspec_jax.paging` keeps the books, the prefix cache
 and preemption) and runs in its own thread. Requests wait in a bounded queue; every waiting request that a free
 slot and the pool can take is admitted at once, the full pages of its prompt that the prefix cache holds are
-reused, and the rest is prefilled into that slot in chunks of one fixed width, a short tail in narrow ones
+reused, and the rest is prefilled into that slot in chunks of one fixed width, a short tail in narrow ones (not
+with a deterministic plan: :data:`NARROW_TAIL_CHUNKS`)
 (:mod:`diffspec_jax.engine.slots`; the admission with the fewest tokens left goes first), then it decodes with the others in the engine's device loop
 (:func:`~diffspec_jax.engine.loop._block`, every slot with its own stop ids, sampling parameters, key, working
 cache and retrieval cadence). It leaves when it is done (a stop id, its token limit, a stop string, a
@@ -90,7 +91,10 @@ GPU_PREFILL_CHUNK = 2048
 GPU_BLOCK_SIZE, REFERENCE_BLOCK_SIZE = 128, 64
 #: a prompt's tail of at most this many narrow (64-token) chunks is prefilled in those rather than one full chunk:
 #: a hit in the prefix cache leaves one to two pages (the last page is reused only if the token after it matches
-#: too), and a narrow chunk reads the cached prefix through the page table, where a full one would gather it
+#: too), and a narrow chunk reads the cached prefix through the page table, where a full one would gather it.
+#: Deterministic plans (``SpecConfig.deterministic``) never do: a narrow chunk's attention is a verify step's, whose
+#: rounding differs from a full chunk's, so its positions' K/V (and later a greedy near-tie) would differ from
+#: ``generate()`` alone's, which prefills in full-width chunks
 NARROW_TAIL_CHUNKS = 4
 #: prefill chunks in flight while a wave forms (the host waits for the oldest before it dispatches another)
 PREFILL_AHEAD = 2
@@ -173,6 +177,11 @@ class EngineConfig:
         check_bool(self.prefix_caching, "prefix_caching")
         check_int(self.tensor_parallel_size, "tensor_parallel_size", min=1)
         check_kv_cache_dtype(self.kv_cache_dtype)
+
+    def prefill_width(self) -> int:
+        """The prefill chunk's width before the cap at the cache capacity: ``prefill_chunk``, else the backend's
+        default (also what ``generate()`` alone must be given to prefill a prompt in the same chunks)."""
+        return self.prefill_chunk or (GPU_PREFILL_CHUNK if jax.default_backend() == "gpu" else REFERENCE_PREFILL_CHUNK)
 
 
 @dataclass(frozen=True)
@@ -376,9 +385,7 @@ class SlotEngine:
         self._table = np.full((b, self.max_pages), self.num_pages, np.int32)
         self._table_dirty = True
         self._admitted = 0  # admission counter: preemption takes the most recently admitted request
-        width = config.prefill_chunk or (GPU_PREFILL_CHUNK if jax.default_backend() == "gpu"
-                                         else REFERENCE_PREFILL_CHUNK)
-        self.prefill_chunk = min(width, capacity)
+        self.prefill_chunk = min(config.prefill_width(), capacity)
         #: prefill chunks between two decode blocks while slots decode
         self.chunks_per_block = max(1, (config.max_prefill_per_block or self.prefill_chunk) // self.prefill_chunk)
         self.block_cycles = block_cycles(plan, config.block_cycles)
@@ -912,7 +919,8 @@ class SlotEngine:
         prefill."""
         s, left = a.done, a.left
         narrow = min(self.prefill_chunk, DENSE_ATTENTION_MAX_TOKENS)
-        w = narrow if left <= NARROW_TAIL_CHUNKS * narrow else self.prefill_chunk
+        tail = left <= NARROW_TAIL_CHUNKS * narrow and not self.spec.deterministic  # (see NARROW_TAIL_CHUNKS)
+        w = narrow if tail else self.prefill_chunk
         length = np.array([a.length], np.int32)
         first = first_chunk_program(self.plan, a.start + s, full_width=w == self.prefill_chunk)
         chunk = self._progs.prefill_first if first else self._progs.prefill
