@@ -8,7 +8,7 @@ The Llama-3.1-8B-shaped target of ``long_context.py`` with **random bfloat16 wei
 depend on the values). Per ``CONTEXTxBATCH`` cell, two caches of the same reach, both filled with random values:
 
 * contiguous: :func:`diffspec_jax.cache.create_cache`, ``[B, Hkv, S, D]`` per layer;
-* paged: :func:`diffspec_jax.cache.create_paged_cache`, one pool ``[1, Hkv, N * P, D]`` per layer with exactly the
+* paged: :func:`diffspec_jax.cache.create_paged_cache`, one pool ``[1, Hkv, (N + 1) * P, D]`` per layer with exactly the
   pages the batch needs (``N = B x pages per sequence``, ``P = --page-size``) and a page table that is a random
   permutation of the pool's pages (no sequence's pages are adjacent or in order).
 

@@ -845,8 +845,8 @@ def run_pressure(args, limit_s: float | None) -> dict:
 
 def pressure_check(run: dict) -> dict | None:
     """Every answer against ``generate()`` alone: ``completed``, ``equal`` (requests), the first differing token
-    of each that differs, preemptions, pages in use once idle; ``ok``: all completed and equal, preempted at least
-    once, no page in use."""
+    of each that differs, preemptions, pages in use once idle, a digest of each answer (two runs compared without
+    their tokens); ``ok``: all completed and equal, preempted at least once, no page in use."""
     srv, ref = run.get("server"), (run.get("reference") or {}).get("tokens")
     if not srv or ref is None or "answers" not in srv:
         return None
@@ -862,7 +862,9 @@ def pressure_check(run: dict) -> dict | None:
            "preempted_requests": sum(bool(n) for n in preempted),
            "differing_preempted": [bool(preempted[i]) for i in differ],
            "preemptions": paging.get("preemptions"), "replayed_tokens": paging.get("replayed_tokens"),
-           "kv_blocks_used_idle": paging.get("kv_blocks_used_after")}
+           "kv_blocks_used_idle": paging.get("kv_blocks_used_after"),
+           "answer_digests": [None if a is None else hashlib.sha256(np.asarray(a, np.int32).tobytes()).hexdigest()[:12]
+                              for a in answers]}
     out["ok"] = (out["completed"] == out["equal"] == len(answers) and bool(out["preemptions"])
                  and out["kv_blocks_used_idle"] == 0)
     return out

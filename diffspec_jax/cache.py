@@ -91,7 +91,7 @@ class KVCache(_LayerBuffers):
 
     Attributes:
         k, v: tuples of ``num_layers`` arrays ``[B, Hkv_local, S, D]`` (``Hkv_local`` is the shard's KV heads), or,
-            paged, ``[1, Hkv_local, N * P, D]``: one pool of ``N`` pages of ``P`` rows shared by every sequence.
+            paged, ``[1, Hkv_local, (N + 1) * P, D]``: one pool of ``N`` pages of ``P`` rows shared by every sequence.
         pages: ``None`` (contiguous), or int32 ``[B, max_pages]``: sequence b's position p lives in pool row
             ``pages[b, p // P] * P + p % P``; an entry ``>= N`` (or ``< 0``) is an unallocated page, whose writes
             land in the scratch page and whose reads are never visible (:func:`page_rows`).
@@ -249,7 +249,7 @@ def page_rows(pages: jax.Array, positions: jax.Array, page_size: int, rows: int)
 
 def page_view(buf: jax.Array | Fp8Rows, pages: jax.Array, page_size: int, *, heads_first: bool = True
               ) -> jax.Array | Fp8Rows:
-    """A pool ``[1, H, N * P, D]`` (``heads_first``) or ``[1, N * P, H, D]`` read as per-sequence buffers
+    """A pool ``[1, H, (N + 1) * P, D]`` (``heads_first``) or ``[1, (N + 1) * P, H, D]`` read as per-sequence buffers
     ``[B, H, max_pages * P, D]`` (or ``[B, max_pages * P, H, D]``) through ``pages [B, max_pages]``; unallocated
     pages read as the scratch page (never visible: they lie past every committed length). An 8-bit pool gives an
     8-bit view (values and scales gathered alike)."""
@@ -268,9 +268,9 @@ def page_view(buf: jax.Array | Fp8Rows, pages: jax.Array, page_size: int, *, hea
 
 def write_paged(buf: jax.Array, rows: jax.Array, pages: jax.Array, positions: jax.Array, page_size: int, *,
                 heads_first: bool = True) -> jax.Array:
-    """:func:`write_rows` into a pool (``[1, H, N * P, D]`` heads first, or ``[1, N * P, ...]``): ``rows [B, T,
-    ...]`` land at the pool rows of ``positions [B, T]`` (:func:`page_rows`); unallocated ones in the scratch page. An 8-bit
-    pool takes the rows quantized (:func:`diffspec_jax.kv_quant.encode_like`)."""
+    """:func:`write_rows` into a pool (``[1, H, (N + 1) * P, D]`` heads first, or ``[1, (N + 1) * P, ...]``):
+    ``rows [B, T, ...]`` land at the pool rows of ``positions [B, T]`` (:func:`page_rows`), unallocated ones in the
+    scratch page. An 8-bit pool takes the rows quantized (:func:`diffspec_jax.kv_quant.encode_like`)."""
     if is_fp8(buf):
         return rowwise(lambda b, r: write_paged(b, r, pages, positions, page_size, heads_first=heads_first), buf,
                        encode_like(buf, rows))

@@ -2,8 +2,8 @@
 per (token, KV head).
 
 A layer's K (or V) buffer is then an :class:`Fp8Rows` pytree instead of one array: ``values`` has the buffer's shape
-(``[B, Hkv, S, D]``, or a paged pool ``[1, Hkv, N * P, D]``) in e4m3, ``scale`` the same shape with a last axis of 1
-in float32, so every row operation of the cache (scatter, page gather, window copy, tree move) applies to both
+(``[B, Hkv, S, D]``, or a paged pool ``[1, Hkv, (N + 1) * P, D]``) in e4m3, ``scale`` the same shape with a last
+axis of 1 in float32, so every row operation of the cache (scatter, page gather, window copy, tree move) applies to both
 leaves alike (``jax.tree_util.tree_map``). A row ``x [D]`` of one token and head is stored as
 ``values = round_e4m3(x / s)`` with ``s = max|x| / 448`` (448 is e4m3's largest finite value; ``s = 1`` for an
 all-zero row), so ``x ~= values * s``.

@@ -103,7 +103,7 @@ def scores_by_kernel(chunk: int, lse: jax.Array | None) -> bool:
 
 def run_chunk_scores(q, lse, k_cache, root, *, chunk, pages=None, page_size=0):
     """:func:`head_sum_scores` by :func:`pallas_kernels.chunk_scores.chunk_scores` (when :func:`scores_by_kernel`)
-    or by the reference. With ``pages`` (a paged cache: ``k_cache`` is the pool ``[1, Hkv, N * P, D]``, or its
+    or by the reference. With ``pages`` (a paged cache: ``k_cache`` is the pool ``[1, Hkv, (N + 1) * P, D]``, or its
     8-bit rows) the kernel reads the pool through the page table; the reference scores the per-sequence view
     gathered through it (:func:`diffspec_jax.cache.page_view`, a copy of ``B x max_pages x P`` rows)."""
     if scores_by_kernel(chunk, lse):

@@ -180,7 +180,7 @@ def gather_rope_write_reference(store_k, store_v, work_k, work_v, idx, cos, sin,
     """Pure-JAX gather-RoPE-write (the contract of the Pallas kernel).
 
     Args:
-        store_k, store_v: ``[B, S, Hkv, D]`` pre-RoPE canonical store, or a paged pool ``[1, N * P, Hkv, D]``
+        store_k, store_v: ``[B, S, Hkv, D]`` pre-RoPE canonical store, or a paged pool ``[1, (N + 1) * P, Hkv, D]``
             whose rows ``idx`` names (every sequence gathers from the one pool).
         work_k, work_v: ``[B, W, Hkv, D]`` working cache (rows ``0..N-1`` are overwritten, the rest kept).
         idx: int32 ``[B, N]`` absolute positions to gather, ``-1`` = padding (written as zero rows), N <= W.

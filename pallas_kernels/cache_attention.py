@@ -230,12 +230,12 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     for shapes, dtypes and semantics).
 
     8-bit caches: ``k``, ``v`` in ``float8_e4m3fn`` with ``k_scale``, ``v_scale`` float32 ``[B, Hkv, S, 1]`` (or
-    ``[1, Hkv, N * P, 1]`` pools), one scale per row (:mod:`diffspec_jax.kv_quant`). The kernel loads the 8-bit
+    ``[1, Hkv, (N + 1) * P, 1]`` pools), one scale per row (:mod:`diffspec_jax.kv_quant`). The kernel loads the 8-bit
     rows and their scales, upcasts the rows to q's dtype in registers (exact) and applies the scales to the
     logits' and the probabilities' columns: ``(q . k8) * s_k``, ``(p * s_v) @ v8``. Nothing is dequantized in
     device memory.
 
-    Paged caches: ``k``, ``v`` are pools ``[1, Hkv, N * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
+    Paged caches: ``k``, ``v`` are pools ``[1, Hkv, (N + 1) * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
     sequence b's position p to pool row ``pages[b, p // P] * P + p % P`` (``page_size`` = P, static); the kernel
     loads each tile's rows through the table (one more small vector load per tile), so paging costs no copy.
 

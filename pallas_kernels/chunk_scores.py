@@ -8,10 +8,11 @@ Inputs:
         ``(q . k8) * k_scale``, the 8-bit rows upcast to bf16 in registers), ``Hq % Hkv == 0``.
     root: int32 ``[B]`` the root position r; keys past it contribute nothing.
     chunk: C, a power of two.
-    pages, page_size (optional, a paged cache): ``k_cache`` (and ``k_scale``) are then the pool ``[1, Hkv, N * P, D]``
-        (``[1, Hkv, N * P, 1]``) and ``pages`` int32 ``[B, max_pages]`` the page table: sequence b's position p lives
-        at pool row ``pages[b, p // P] * P + p % P`` (P = ``page_size``, static), and ``S = max_pages * P``. Table
-        entries past a sequence's root (unallocated: the sentinel N, or anything) are never read.
+    pages, page_size (optional, a paged cache): ``k_cache`` (and ``k_scale``) are then the pool
+        ``[1, Hkv, (N + 1) * P, D]`` (``[1, Hkv, (N + 1) * P, 1]``) and ``pages`` int32 ``[B, max_pages]`` the page
+        table: sequence b's position p lives at pool row ``pages[b, p // P] * P + p % P`` (P = ``page_size``,
+        static), and ``S = max_pages * P``. Table entries past a sequence's root (unallocated: the sentinel N, or
+        anything) are never read.
 Output:
     float32 ``[B, ceil(S / C)]``: ``sum_h mean_{t in chunk, t <= r} exp(q_h . k_g(h)(t) / sqrt(D) - lse_h)`` --
     the **head sum** of the mean probability per valid token (the caller ``psum``s over tensor-parallel shards and

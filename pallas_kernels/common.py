@@ -144,7 +144,7 @@ def matmul(a, b, *, trans_b: bool = False, precision=None):
 def paged_rows(pt_ref, b, pos, visible, page_size: int):
     """Inside a Pallas GPU kernel: where sequence ``b``'s positions ``pos`` (int32 vector) lie in its K/V buffer,
     as ``(sequence index, rows)``. Contiguous buffers (``page_size`` 0): ``(b, pos)``. A paged pool
-    ``[1, H, N * P, D]``: ``(0, pages[b, pos // P] * P + pos % P)`` through the page table ``pt_ref`` ``[B,
+    ``[1, H, (N + 1) * P, D]``: ``(0, pages[b, pos // P] * P + pos % P)`` through the page table ``pt_ref`` ``[B,
     max_pages]``, its entries loaded only where ``visible`` (past a sequence's pages they may be anything)."""
     if not page_size:
         return b, pos

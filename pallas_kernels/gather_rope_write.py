@@ -65,7 +65,7 @@ def _kernel(idx_ref, cos_ref, sin_ref, sk_ref, sv_ref, _wk_in, _wv_in, wk_ref, w
 @functools.partial(jax.jit, static_argnames=("interleaved", "block_rows"))
 def gather_rope_write(store_k, store_v, work_k, work_v, idx, cos, sin, *, interleaved=False, block_rows=64):
     """Gather-RoPE-write (see the module docstring for shapes, dtypes and semantics). A store of batch 1 under a
-    batch of ``B > 1`` rows is a paged pool ``[1, N * P, Hkv, D]`` and ``idx`` its pool rows
+    batch of ``B > 1`` rows is a paged pool ``[1, (N + 1) * P, Hkv, D]`` and ``idx`` its pool rows
     (:func:`diffspec_jax.working_cache.gather_rope_write` maps positions through the page table)."""
     b, n = idx.shape
     hkv, d = store_k.shape[2], store_k.shape[3]

@@ -70,7 +70,7 @@ def run_cache_attention(q, k, v, lengths, *, scale, causal=False, pages=None, pa
     """:func:`pallas_kernels.cache_attention.cache_attention` or its reference
     :func:`~diffspec_jax.models.layers.attention_prefix` (same contract: ``(out, lse)`` over the committed prefix,
     and with ``causal`` over the chain block written after it), by :func:`fast_path`. With ``pages`` (a paged
-    cache: ``k``, ``v`` are pools ``[1, Hkv, N * P, D]``) the kernel reads the pool through the page table; the
+    cache: ``k``, ``v`` are pools ``[1, Hkv, (N + 1) * P, D]``) the kernel reads the pool through the page table; the
     reference reads the gathered per-sequence view. 8-bit buffers (:class:`~diffspec_jax.kv_quant.Fp8Rows`) are
     read as stored and dequantized inside the products, by the kernel and the reference alike."""
     if fast_path():
@@ -210,7 +210,7 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
             are written by one slice update (no scatter), and the fast path skips the prefix attention and the
             merge. Decode and verification steps ignore it.
         pages, page_size: a paged cache (:class:`diffspec_jax.cache.KVCache`): ``k_buf``, ``v_buf`` are the
-            layer's pools ``[1, Hkv, N * P, D]`` and ``pages [B, max_pages]`` maps positions to pool rows. Decode,
+            layer's pools ``[1, Hkv, (N + 1) * P, D]`` and ``pages [B, max_pages]`` maps positions to pool rows. Decode,
             verification and tree blocks read the pool through the table (the Pallas kernel; the references read
             the gathered view); a prefill chunk over a prefix reads the gathered view of its prefix.
         8-bit buffers (:class:`~diffspec_jax.kv_quant.Fp8Rows`, ``kv_cache_dtype="fp8"``): the block's K/V are
