@@ -386,6 +386,8 @@ class SlotEngine:
         self._table_dirty = True
         self._admitted = 0  # admission counter: preemption takes the most recently admitted request
         self.prefill_chunk = min(config.prefill_width(), capacity)
+        #: the replay buffer of a start that replays nothing and whose drafter reads no context (never read)
+        self._no_context = np.zeros((1, capacity), np.int32)
         #: prefill chunks between two decode blocks while slots decode
         self.chunks_per_block = max(1, (config.max_prefill_per_block or self.prefill_chunk) // self.prefill_chunk)
         self.block_cycles = block_cycles(plan, config.block_cycles)
@@ -942,8 +944,9 @@ class SlotEngine:
         n = int(length[0])
         p = req.params
         # the tokens it replays (none past replay_end: 0 when it replays nothing), and its drafter's context (a
-        # prefix cache's reused pages hold no tokens)
-        context = self._padded_context(req)
+        # prefix cache's reused pages hold no tokens); built only where one of them reads it
+        used = req.replay_left or self.plan.drafter_context
+        context = self._padded_context(req) if used else self._no_context
         replay_end = np.array([len(req.prompt_ids) + len(req.tokens) if req.replay_left else 0], np.int32)
         # the context's full pages are final (with a draft store: below its last position, whose entry is pending)
         self._commit(req, n - 1 if self._store_lag else n)
