@@ -60,16 +60,25 @@ def bind(fn, plan: Plan):
 
 
 #: the XLA options of a deterministic plan's programs (:func:`compiler_options`)
-DETERMINISTIC_COMPILER_OPTIONS = {"xla_allow_excess_precision": False}
+DETERMINISTIC_COMPILER_OPTIONS = {"xla_allow_excess_precision": False, "xla_gpu_autotune_level": 0,
+                                  "xla_gpu_enable_triton_gemm": False}
 
 
 def compiler_options(plan: Plan) -> dict | None:
-    """XLA options of the plan's programs: a deterministic plan (``SpecConfig.deterministic``) keeps every
-    bfloat16 intermediate rounded as its op's type says (``xla_allow_excess_precision`` off). XLA otherwise may keep
-    a fused intermediate in float32, so a value's rounding would depend on what else the program computes from it:
-    the verify step, which also taps hidden states for the draft, then rounded some values differently from
-    target-only decoding (2 of 16 demo-pair prompts differed on an H200 with the attention alone made
-    deterministic; self-drafting, which taps nothing, none)."""
+    """XLA options of the plan's programs. A deterministic plan (``SpecConfig.deterministic``):
+
+    * keeps every bfloat16 intermediate rounded as its op's type says (``xla_allow_excess_precision`` off). XLA
+      otherwise may keep a fused intermediate in float32, so a value's rounding would depend on what else the
+      program computes from it: the verify step, which also taps hidden states for the draft, then rounded some
+      values differently from target-only decoding (2 of 16 demo-pair prompts differed on an H200 with the
+      attention alone made deterministic; self-drafting, which taps nothing, none);
+    * runs every matrix product as cuBLAS's heuristic picks it, never timed (``xla_gpu_autotune_level`` 0, Triton
+      GEMMs off). Autotuning picks a kernel per program and per compilation by timing candidates, so a row's
+      product could split its inner dimension one way in a 5-row step and another in a 60-row one, or change
+      from one run to the next. On an H100 with Llama-3.1-8B's shapes (``benchmarks/gemm_invariance.py``,
+      ``benchmarks/results/gemm_invariance_h100/``) the first 5 rows' bits changed with the row count (10 or 60
+      against 5) and between two runs of the same program under autotuning; with these options no bit changed
+      at 5, 10, 60 or 2048 rows. On a CPU the two GPU options do nothing."""
     return dict(DETERMINISTIC_COMPILER_OPTIONS) if plan.spec.deterministic else None
 
 
