@@ -1219,8 +1219,10 @@ class SpecConfig:
         deterministic: bit-exact speculation [False]: greedy output identical to the bit to target-only decoding
             run with the same setting, on GPUs too. The target's attention runs its deterministic form (tiles
             and splits at fixed absolute positions, splits merged in order:
-            :mod:`pallas_kernels.cache_attention`), and target-only decoding runs each step as a block of K + 1
-            rows with one real row, so its matrix products have the verify step's shapes. Chains at a fixed depth
+            :mod:`pallas_kernels.cache_attention`), target-only decoding runs each step as a block of K + 1
+            rows with one real row, so its matrix products have the verify step's shapes, and every program is
+            compiled without autotuning (:data:`~diffspec_jax.engine.compile.DETERMINISTIC_COMPILER_OPTIONS`),
+            so a product's kernel does not depend on the run or the row count. Chains at a fixed depth
             only (a ConfigError with a tree or adaptive depth). Costs: docs/benchmarks.md, "Bit-exact speculation".
 
     The properties :attr:`tree`, :attr:`uses_working_cache`, :attr:`history_budget` and :attr:`max_chunks` are
