@@ -213,11 +213,11 @@ def summarize(results: list[dict], ids_text: bool) -> dict:
     """TTFT, chunk gaps, per-token inter-token latency (``ids_text``: the text is the ids, so tokens per chunk are
     known), TPOT, output tokens/s and requests decoding at once of one load run (definitions:
     :data:`DEFINITIONS`)."""
-    ok = [r for r in results if not r.get("error") and r.get("chunks")]
+    ok = {i: r for i, r in enumerate(results) if not r.get("error") and r.get("chunks")}  # by request index
     ttft, gaps, itl, tpot, per_chunk, tokens, where = [], [], [], [], [], 0, []
-    first_send = min((r["sent"] for r in ok), default=0.0)
-    last = max((r["chunks"][-1][0] for r in ok), default=0.0)
-    for i, r in ((i, r) for i, r in enumerate(results) if not r.get("error") and r.get("chunks")):
+    first_send = min((r["sent"] for r in ok.values()), default=0.0)
+    last = max((r["chunks"][-1][0] for r in ok.values()), default=0.0)
+    for i, r in ok.items():
         times = [t for t, _ in r["chunks"]]
         ttft.append(times[0] - r["sent"])
         n = r["usage"]["completion_tokens"] if r.get("usage") else None
