@@ -36,6 +36,9 @@ not fit in bf16 on one H200::
     python benchmarks/e2e.py --contexts 131072 --batches 8 --new-tokens 64 --methods target --no-device-steps \
         --kv-cache-dtype fp8 --out OUT/e2e_128k_b8_fp8.json
 
+``--deterministic`` passes ``SpecConfig(deterministic=True)`` to every call (target-only included), to set the
+user-facing cost of the deterministic form (issue 40) beside a default run.
+
 ``--quick`` runs tiny shapes anywhere (the test suite's smoke test; its timings mean nothing).
 """
 
@@ -70,7 +73,8 @@ def _spec(method: str, args):
 
     return SpecConfig.from_flat(dict(num_speculative_tokens=args.k, draft_context_policy=method,
                                      diffspec_token_budget=args.budget, diffspec_chunk_size=args.chunk,
-                                     diffspec_retrieval_interval=args.interval))
+                                     diffspec_retrieval_interval=args.interval,
+                                     deterministic=getattr(args, "deterministic", False)))
 
 
 def run_method(target, draft, prompts, method: str, args) -> dict:
@@ -78,8 +82,8 @@ def run_method(target, draft, prompts, method: str, args) -> dict:
     from diffspec_jax import generate
 
     kw = dict(max_new_tokens=args.new_tokens, stop_token_ids=(), kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
-    if method != "target":
-        kw["spec"] = _spec(method, args)
+    if method != "target" or getattr(args, "deterministic", False):  # target-only: its steps' deterministic form
+        kw["spec"] = _spec("recent" if method == "target" else method, args)
     calls = []
     peak_before = peak_memory()
     for _ in range(2):
@@ -273,6 +277,9 @@ def main(argv=None) -> int:
                     help="skip the device steps (their caches would set the process's peak memory before generate())")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
                     help="generate()'s K/V storage (fp8: issue 41; the device steps keep bf16 caches)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every generate() call with SpecConfig(deterministic=True) (issue 40; the device steps keep "
+                         "the default form)")
     ap.add_argument("--peer", action="store_true")
     ap.add_argument("--peer-compiled", action="store_true")
     ap.add_argument("--peer-tokens", type=int, default=24)

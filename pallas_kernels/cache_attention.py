@@ -150,7 +150,7 @@ def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: in
 
 
 def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps, block, tiles_per_split, splits,
-            seq_len, head_dim, cols, scale, precision, causal, page_size, deterministic, fp8):
+            seq_len, head_dim, cols, scale, precision, causal, page_size, deterministic, fp8, upcast):
     from jax.experimental.pallas import triton as plgpu
 
     refs = list(refs)
@@ -171,6 +171,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
 
     q = plgpu.load(q_ref.at[b, t_of[:, None], head[:, None], d], mask=cols_in(real[:, None]),
                    other=jnp.zeros((), q_ref.dtype))
+    if fp8:  # the dtype 8-bit rows are upcast to, in registers (the query joins them there: exact for bf16 queries)
+        q = q.astype(upcast)
     prefix = plgpu.load(len_ref.at[b])
     inline = causal and deterministic                     # the block rows walked in the prefix's tiles
     length = jnp.clip(prefix + steps if inline else prefix, 0, seq_len)
@@ -222,10 +224,10 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "causal", "block", "splits", "max_rows", "num_warps",
-                                             "num_stages", "page_size", "deterministic"))
+                                             "num_stages", "page_size", "deterministic", "fp8_upcast"))
 def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits=None, max_rows=128,
                     num_warps=None, num_stages=None, pages=None, page_size=0, deterministic=False, k_scale=None,
-                    v_scale=None):
+                    v_scale=None, fp8_upcast=None):
     """Attention of new queries over the committed prefix of a heads-first KV cache (see the module docstring
     for shapes, dtypes and semantics).
 
@@ -262,6 +264,7 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
         got = tuple(None if x is None else x.shape for x in (k_scale, v_scale))
         raise ValueError(f"cache_attention: 8-bit k {k.shape} needs k_scale and v_scale of shape {k.shape[:3] + (1,)}, "
                          f"got {got}")
+    upcast = jnp.dtype(fp8_upcast or q.dtype)
     group = hq // hkv
     lengths = lengths.astype(jnp.int32)
     if causal and t == 1 and not deterministic:  # a decode step: its one query sees rows < length + 1, the plain
@@ -272,9 +275,9 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     stages = default_tiling(32 if deterministic else rows, pages is not None)[1]  # deterministic: a verify tiling
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
                                tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d,
-                               cols=next_pow2(d, 16), scale=scale, precision=dot_precision(q.dtype if fp8 else k.dtype),
+                               cols=next_pow2(d, 16), scale=scale, precision=dot_precision(upcast if fp8 else k.dtype),
                                causal=causal, page_size=page_size if pages is not None else 0,
-                               deterministic=deterministic, fp8=fp8)
+                               deterministic=deterministic, fp8=fp8, upcast=upcast)
     extra = (() if pages is None else (pages.astype(jnp.int32),)) + (
         (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)) if fp8 else ())
     o, m, l = pl.pallas_call(

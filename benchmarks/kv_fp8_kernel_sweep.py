@@ -1,0 +1,128 @@
+"""The 8-bit K/V attention kernel against the bf16 one, per tiling and upcast dtype (issue 41; GPU).
+
+One layer of ``pallas_kernels.cache_attention`` at Llama-3.1-8B head shapes (32 query heads, 8 KV heads, D = 128)
+over a paged pool (pages of ``--page-size`` placed at random), the cache filled to its length with random rows: the
+bf16 pool at its default tiling, and the same rows quantized by ``diffspec_jax.kv_quant.quantize`` read by each
+fp8 variant (``fp8_upcast``: the dtype the e4m3 rows are upcast to in registers, bfloat16 = the query's, or
+float16; ``block``, ``num_stages``, ``num_warps``). Each variant is timed as 20 back-to-back calls inside one jitted
+loop, the variants in turn, 7 rounds, medians; the JSON gives each variant's time over the bf16 kernel's, and the
+HBM bytes each reads (K/V rows, scales).
+
+    python3 -m benchmarks.kv_fp8_kernel_sweep --out OUT/kv_fp8_kernel_sweep.json [--cells 131072x1x1,32768x8x1]
+        [--time-budget 200]                                  # cells: CONTEXTxBATCHxSTEPS
+    TINY=1 JAX_PLATFORMS=cpu python3 -m benchmarks.kv_fp8_kernel_sweep --cells 256x2x1 --out /tmp/s.json  # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import environment
+from diffspec_jax.kv_quant import quantize
+from pallas_kernels.cache_attention import cache_attention
+
+ROUNDS, INNER = 7, 20
+#: fp8 variants: (upcast dtype, block, num_stages, num_warps); None = the kernel's default
+VARIANTS = [(u, *t) for u in ("bfloat16", "float16") for t in
+            [(None, None, None), (128, 2, 4), (128, 3, 4), (128, 2, 8), (256, 2, 4), (256, 2, 8), (256, 3, 8),
+             (64, 3, 4)]]
+
+
+def looped(fn):
+    """``INNER`` chained calls in one program (each call's query depends on the last output, so none is elided)."""
+    def run(q, *a):
+        def body(i, acc):
+            o, _ = fn(q + acc.astype(q.dtype) * 0, *a)
+            return acc + o[0, 0, 0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, INNER, body, jnp.zeros((), jnp.float32))
+    return jax.jit(run)
+
+
+def timed(f, *a) -> float:
+    jax.block_until_ready(f(*a))
+    t = time.perf_counter()
+    jax.block_until_ready(f(*a))
+    return (time.perf_counter() - t) / INNER
+
+
+def name(v) -> str:
+    u, blk, st, w = v
+    return f"fp8 {u} b{blk} s{st} w{w}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cells", default="131072x1x1,131072x1x5,32768x8x1,65536x1x1")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--time-budget", type=float, default=200.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    hq, hkv, d = (4, 2, 16) if os.environ.get("TINY") else (32, 8, 128)
+    rng = np.random.default_rng(0)
+    out = {"benchmark": "fp8 vs bf16 cache_attention kernel, per tiling and upcast (issue 41)",
+           "environment": environment(sys.argv if argv is None else ["benchmarks/kv_fp8_kernel_sweep.py", *argv]),
+           "heads": [hq, hkv, d], "page_size": args.page_size, "cells": []}
+    for cell in args.cells.split(","):
+        ctx, b, t = map(int, cell.split("x"))
+        P = args.page_size
+        maxp = ctx // P
+        perm = rng.permutation(b * maxp).astype(np.int32)      # sequence b's page j lives at pool page perm[b, j]
+        pages = jnp.asarray(perm.reshape(b, maxp))
+        pool = lambda key: jax.random.normal(jax.random.PRNGKey(key), (1, hkv, b * maxp * P, d), jnp.bfloat16)
+        k, v = pool(1), pool(2)
+        k8, v8 = quantize(k), quantize(v)
+        q = jax.random.normal(jax.random.PRNGKey(3), (b, t, hq, d), jnp.bfloat16)
+        lengths = jnp.full((b,), ctx - t - 3, jnp.int32)
+        common = dict(scale=d ** -0.5, causal=True, pages=pages, page_size=P)
+        variants = {"bf16": (looped(lambda q, k, v, l: cache_attention(q, k, v, l, **common)), (k, v, lengths))}
+        for var in VARIANTS:
+            u, blk, st, w = var
+            variants[name(var)] = (looped(lambda q, k, v, ks, vs, l, u=u, blk=blk, st=st, w=w: cache_attention(
+                q, k, v, l, k_scale=ks, v_scale=vs, fp8_upcast=u, block=blk, num_stages=st, num_warps=w, **common)),
+                (k8.values, v8.values, k8.scale, v8.scale, lengths))
+        errors, ready = {}, {}
+        for n, (f, a) in variants.items():
+            if time.perf_counter() - t0 > args.time_budget:
+                errors[n] = "time budget"
+                continue
+            try:
+                jax.block_until_ready(f(q, *a))
+                ready[n] = (f, a)
+            except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal
+                errors[n] = f"{type(e).__name__}: {str(e)[:300]}"
+        times = {n: [] for n in ready}
+        for _ in range(ROUNDS):
+            for n, (f, a) in ready.items():
+                times[n].append(timed(f, q, *a))
+        med = {n: float(np.median(x)) for n, x in times.items()}
+        base = med.get("bf16")
+        rows = b * hkv * ctx
+        res = {"context": ctx, "batch": b, "steps": t, "us": {n: x * 1e6 for n, x in med.items()},
+               "over_bf16": {n: x / base for n, x in med.items()} if base else {},
+               "bytes": {"bf16": rows * d * 2 * 2, "fp8": rows * (d + 4) * 2},
+               "errors": errors}
+        if med:
+            best = min((n for n in med if n != "bf16"), key=med.get, default=None)
+            res["best_fp8"] = best
+        out["cells"].append(res)
+        print(json.dumps({k: res[k] for k in ("context", "batch", "steps", "best_fp8") if k in res}),
+              json.dumps({n: round(x, 3) for n, x in res["over_bf16"].items()}), flush=True)
+        del k, v, k8, v8
+    out["elapsed_s"] = time.perf_counter() - t0
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
