@@ -9,7 +9,7 @@ loop, the variants in turn, 7 rounds, medians; the JSON gives each variant's tim
 HBM bytes each reads (K/V rows, scales).
 
     python3 -m benchmarks.kv_fp8_kernel_sweep --out OUT/kv_fp8_kernel_sweep.json [--cells 131072x1x1,32768x8x1]
-        [--time-budget 200]                                  # cells: CONTEXTxBATCHxSTEPS
+        [--time-budget 200] [--variants all|short]           # cells: CONTEXTxBATCHxSTEPS
     TINY=1 JAX_PLATFORMS=cpu python3 -m benchmarks.kv_fp8_kernel_sweep --cells 256x2x1 --out /tmp/s.json  # smoke
 """
 from __future__ import annotations
@@ -33,6 +33,9 @@ ROUNDS, INNER = 7, 20
 VARIANTS = [(u, *t) for u in ("bfloat16", "float16") for t in
             [(None, None, None), (128, 2, 4), (128, 3, 4), (128, 2, 8), (256, 2, 4), (256, 2, 8), (256, 3, 8),
              (64, 3, 4)]]
+#: ``--variants short``: the first sweep's (H100) best tilings, both upcasts
+SHORT = [("bfloat16", None, None, None), ("bfloat16", 128, 3, 4), ("float16", None, None, None),
+         ("float16", 128, 3, 4), ("float16", 128, 2, 4), ("float16", 64, 3, 4), ("float16", 64, 2, 4)]
 
 
 def looped(fn):
@@ -62,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default="131072x1x1,131072x1x5,32768x8x1,65536x1x1")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--time-budget", type=float, default=200.0)
+    ap.add_argument("--variants", choices=("all", "short"), default="all")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -83,7 +87,7 @@ def main(argv=None) -> int:
         lengths = jnp.full((b,), ctx - t - 3, jnp.int32)
         common = dict(scale=d ** -0.5, causal=True, pages=pages, page_size=P)
         variants = {"bf16": (looped(lambda q, k, v, l: cache_attention(q, k, v, l, **common)), (k, v, lengths))}
-        for var in VARIANTS:
+        for var in (VARIANTS if args.variants == "all" else SHORT):
             u, blk, st, w = var
             variants[name(var)] = (looped(lambda q, k, v, ks, vs, l, u=u, blk=blk, st=st, w=w: cache_attention(
                 q, k, v, l, k_scale=ks, v_scale=vs, fp8_upcast=u, block=blk, num_stages=st, num_warps=w, **common)),

@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (NEG, call_options, dot_precision, merge_splits, merge_splits_ordered, next_pow2,
-                                   online_softmax_step, paged_rows, rows_to_heads)
+                                   half_rows, online_softmax_step, paged_rows, rows_to_heads)
 
 #: streaming multiprocessors assumed where the device does not say (the H200's)
 DEFAULT_SMS = 132
@@ -171,7 +171,10 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
 
     q = plgpu.load(q_ref.at[b, t_of[:, None], head[:, None], d], mask=cols_in(real[:, None]),
                    other=jnp.zeros((), q_ref.dtype))
-    if fp8:  # the dtype 8-bit rows are upcast to, in registers (the query joins them there: exact for bf16 queries)
+    q_pow2 = None
+    if fp8 and upcast == jnp.float16:  # row-normalised float16 operands (common.half_rows), the e4m3 rows exactly
+        q, q_pow2 = half_rows(q.astype(jnp.float32))
+    elif fp8:  # the query's dtype: e4m3 rows are exact in bfloat16
         q = q.astype(upcast)
     prefix = plgpu.load(len_ref.at[b])
     inline = causal and deterministic                     # the block rows walked in the prefix's tiles
@@ -193,7 +196,8 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
         if fp8:                                           # 8-bit rows: one float32 scale per row, 0 if not visible
             ks = plgpu.load(ks_ref.at[sb, g, row, 0], mask=visible, other=0.0)
             vs = plgpu.load(vs_ref.at[sb, g, row, 0], mask=visible, other=0.0)
-        return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision, k_scale=ks, v_scale=vs)
+        return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision, k_scale=ks, v_scale=vs,
+                                   q_pow2=q_pow2)
 
     def body(i, carry):                                   # the committed prefix: rows < length
         pos = first + i * block + jnp.arange(block)

@@ -155,7 +155,32 @@ def paged_rows(pt_ref, b, pos, visible, page_size: int):
     return 0, page * page_size + pos % page_size
 
 
-def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=None, v_scale=None):
+def pow2(e: jax.Array) -> jax.Array:
+    """``2 ** e`` in float32, exactly, for int32 ``e`` in [-126, 127] (built from its exponent bits)."""
+    return jax.lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.int32), jnp.float32)
+
+
+def exponent(x: jax.Array) -> jax.Array:
+    """``floor(log2(x))`` of positive normal float32 ``x``, exactly (its exponent bits), as int32; -127 for 0."""
+    return ((jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32) >> 23) & 0xFF) - 127
+
+
+#: float16 operands of the fp8 path are scaled into [2 ** HALF_TOP, 2 ** (HALF_TOP + 1)) per row: far from float16's
+#: overflow (65504) and 2 ** 22 above its smallest normal value, so only entries that small next to the row's largest
+#: lose bits (bfloat16 keeps 8 bits at any magnitude; float16 keeps 11 bits over that range)
+HALF_TOP = 8
+
+
+def half_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(x * 2 ** -e as float16, 2 ** e [R] float32)`` of float32 rows ``x [R, N]`` with ``e`` per row such that
+    the row's largest magnitude lands in ``[2 ** HALF_TOP, 2 ** (HALF_TOP + 1))`` (power-of-two scalings: exact in
+    float32; all-zero rows keep e = 0)."""
+    top = jnp.max(jnp.abs(x), axis=1)
+    e = jnp.where(top > 0, jnp.clip(exponent(top) - HALF_TOP, -120, 120), 0)
+    return (x * pow2(-e)[:, None]).astype(jnp.float16), pow2(e)
+
+
+def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=None, v_scale=None, q_pow2=None):
     """One key tile of an online softmax, inside a kernel (float32 statistics).
 
     Args:
@@ -168,6 +193,12 @@ def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=No
         k_scale, v_scale: float32 ``[N]`` per-row scales of 8-bit keys and values (``float8_e4m3fn`` k, v, upcast
             exactly to q's dtype in registers): the logits are ``(q . k) * scale * k_scale`` per key column and
             the value product ``(p * v_scale) @ v`` (``None``: full-precision k, v).
+        q_pow2: float32 ``[R]``, only with a float16 ``q`` from :func:`half_rows` (8-bit k, v): the power of two each
+            query row was divided by. float16 products then run on row-normalised operands: the logits are
+            ``(q . k) * q_pow2 * scale * k_scale`` and the probabilities' row ``(p * v_scale)`` enters the value
+            product divided by a power of two bounding it (the row's tile maximum ``exp(max logit - m)`` times the
+            tile's largest ``v_scale``), multiplied back after it, so no weight overflows float16 or sinks into its
+            subnormals unless it is ``2 ** -22`` of the row's largest.
     Returns:
         The updated carry; probabilities are cast to ``v.dtype`` (q's for 8-bit values) for the ``p @ v`` product.
     """
@@ -175,16 +206,23 @@ def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=No
     if k_scale is not None:
         k, v = k.astype(q.dtype), v.astype(q.dtype)
     logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * scale
+    if q_pow2 is not None:
+        logits = logits * q_pow2[:, None]
     if k_scale is not None:
         logits = logits * k_scale[None, :]
     logits = jnp.where(visible, logits, NEG)
-    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    top = jnp.max(logits, axis=1)
+    m_new = jnp.maximum(m, top)
     p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
     corr = jnp.exp(m - m_new)
     l = l * corr + jnp.sum(p, axis=1)
     pv = p if v_scale is None else p * v_scale[None, :]
-    acc = acc * corr[:, None] + matmul(pv.astype(v.dtype), v, precision=precision)
-    return acc, m_new, l
+    if q_pow2 is None:
+        return acc * corr[:, None] + matmul(pv.astype(v.dtype), v, precision=precision), m_new, l
+    bound = jnp.exp(top - m_new) * jnp.max(v_scale)         # >= every entry of the row's pv (0: the row saw nothing)
+    e = jnp.where(bound > 0, jnp.clip(exponent(bound) + 1 - (HALF_TOP + 6), -120, 120), 0)  # rows land below 2 ** 14
+    part = matmul((pv * pow2(-e)[:, None]).astype(jnp.float16), v, precision=precision)
+    return acc * corr[:, None] + part * pow2(e)[:, None], m_new, l
 
 
 def pairwise_sum(x: jax.Array, axis: int) -> jax.Array:

@@ -110,6 +110,40 @@ def test_fp8_rows_kernels_and_references_match_dense_numpy():
         want_bf16, rtol=1e-4, atol=1e-6)
 
 
+def test_fp8_kernel_float16_operands_keep_extreme_rows():
+    """The kernel's float16 path (bf16 queries: e4m3 rows upcast to float16, row-normalised operands) against dense
+    float64 attention, where plain float16 operands would fail: queries of 1e5 (past float16's 65504) and of 1e-6
+    (its subnormals), and a diffuse row whose answer comes from hundreds of keys of weight ~1e-5 with small values
+    (weights x value scales of ~1e-10 sink below float16's smallest subnormal unless normalised). It must be as
+    close as the bfloat16 path, to the output's bf16 rounding."""
+    rng = np.random.default_rng(43)
+    b, hkv, g, s, d = 3, 2, 4, 1024, 32
+    k = rng.standard_normal((b, hkv, s, d))
+    v = rng.standard_normal((b, hkv, s, d)) * 1e-4
+    q = rng.standard_normal((b, 2, hkv * g, d))
+    q[0] *= 1e5 / np.abs(q[0]).max()
+    q[1] *= 1e-6
+    k[2, :, 100] = 0.0                                        # sequence 2: every query aligned with key 100 ...
+    q[2] = 0.0
+    q[2, ..., 0] = 40.0
+    k[2, :, 100, 0] = 1.0
+    v[2, :, 100] = 0.0                                        # ... whose value is 0: the rest (weights ~e^-7) decide
+    kq, vq = quantize(jnp.asarray(k, jnp.float32)), quantize(jnp.asarray(v, jnp.float32))
+    kd, vd = (np.asarray(dequantize(r), np.float64) for r in (kq, vq))
+    qb = jnp.asarray(q, jnp.bfloat16)
+    lengths = np.array([1000, 777, 900])
+    want, want_lse = _dense_numpy(np.asarray(qb, np.float64), kd, vd, lengths, d ** -0.5, True)
+    errs = {}
+    for upcast in ("bfloat16", "float16"):
+        out, lse = cache_attention(qb, kq.values, vq.values, jnp.asarray(lengths), scale=d ** -0.5, causal=True,
+                                   k_scale=kq.scale, v_scale=vq.scale, fp8_upcast=upcast)
+        top = np.abs(want).max(-1, keepdims=True)
+        errs[upcast] = float((np.abs(np.asarray(out, np.float64) - want) / top).max())
+        np.testing.assert_allclose(np.asarray(lse), want_lse, rtol=1e-3, atol=1e-3, err_msg=upcast)
+    assert errs["float16"] <= 2.0 ** -8, errs                  # the output's own bf16 rounding: 2^-9 of an element
+    assert errs["float16"] <= 1.5 * errs["bfloat16"], errs
+
+
 def test_fp8_cache_logits_against_the_float32_cache(targets, hf_models):
     """A transformers-built tiny Llama: prefill (chunks of 64, over a prefix) and cached decode steps of 1 and 5
     tokens on an fp8 cache against the float32 cache (which matches transformers to 1e-5) and transformers itself:
