@@ -100,7 +100,7 @@ def _check_pow2(name: str, n: int, lo: int = 16) -> None:
         raise ValueError(f"cache_attention: {name} must be a power of two >= {lo}, got {n}")
 
 
-def default_tiling(rows: int, paged: bool = False) -> tuple[int, int]:
+def default_tiling(rows: int, paged: bool = False, fp8: bool = False) -> tuple[int, int]:
     """``(block, num_stages)`` for programs of ``rows`` query rows, from the H200 sweep
     (``benchmarks/gpu_cache_sweep.sh``, Llama-3.1-8B shapes, committed under ``benchmarks/results/``): a decode step
     (16 rows: G = 4, T = 1) streams best in 64-row tiles with two pipeline stages (64K x 8: 516 us a layer, at the
@@ -109,7 +109,14 @@ def default_tiling(rows: int, paged: bool = False) -> tuple[int, int]:
     blocks) keep 64-row tiles, whose two stages fit the shared memory beside a large query tile. Over a paged
     cache (``paged``) a verify step's 128-row tiles pipeline better in two stages: each tile's rows wait on its
     page-table load (H200, random page placement, pages of 64: 32K x 8 1.12x the contiguous step against 1.16x
-    with three stages, 8K x 8 0.82x against 0.97x: the sweep in docs/serving.md)."""
+    with three stages, 8K x 8 0.82x against 0.97x: the sweep in docs/serving.md).
+
+    8-bit rows (``fp8``; H100 sweep, ``benchmarks/kv_fp8_kernel_sweep.py``, pages of 64): a decode step takes
+    128-row tiles in three stages, the same bytes per tile as bf16's 64 rows (128K x 1: 0.71x the bf16 kernel
+    against 0.84x with the bf16 tiling), a verify step 64-row tiles in three stages (128K x 1, T = 5: 0.97x
+    against 1.08x)."""
+    if fp8 and rows <= 64:
+        return (128, 3) if rows <= 16 else (64, 3)
     if 16 < rows <= 64:
         return (128, 2) if paged else (128, 3)
     return (64, 2)
@@ -125,7 +132,7 @@ class Plan(NamedTuple):
 
 def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: int, *, block: int | None = None,
                 splits: int | None = None, max_rows: int = 128, paged: bool = False,
-                deterministic: bool = False) -> Plan:
+                deterministic: bool = False, fp8: bool = False) -> Plan:
     """The static launch parameters :func:`cache_attention` uses for these shapes and knobs (``block`` default:
     :func:`default_tiling`; ``splits`` is rounded to whole tiles per split: e.g. 66 wanted over 1024 tiles -> 16
     tiles per split -> 64 splits). ``deterministic``: the fixed tiles and splits of the deterministic form
@@ -139,7 +146,7 @@ def launch_plan(batch: int, steps: int, q_heads: int, kv_heads: int, seq_len: in
         tiles_per_split = DETERMINISTIC_SPLIT_ROWS // DETERMINISTIC_BLOCK
         n_tiles = -(-seq_len // DETERMINISTIC_BLOCK)
         return Plan(rows, row_blocks, DETERMINISTIC_BLOCK, tiles_per_split, -(-n_tiles // tiles_per_split))
-    block = default_tiling(rows, paged)[0] if block is None else block
+    block = default_tiling(rows, paged, fp8)[0] if block is None else block
     _check_pow2("block", block)
     block = min(block, next_pow2(seq_len, 16))
     n_tiles = -(-seq_len // block)
@@ -237,9 +244,13 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
 
     8-bit caches: ``k``, ``v`` in ``float8_e4m3fn`` with ``k_scale``, ``v_scale`` float32 ``[B, Hkv, S, 1]`` (or
     ``[1, Hkv, (N + 1) * P, 1]`` pools), one scale per row (:mod:`diffspec_jax.kv_quant`). The kernel loads the 8-bit
-    rows and their scales, upcasts the rows to q's dtype in registers (exact) and applies the scales to the
-    logits' and the probabilities' columns: ``(q . k8) * s_k``, ``(p * s_v) @ v8``. Nothing is dequantized in
-    device memory.
+    rows and their scales, upcasts the rows in registers (exact) and applies the scales to the logits' and the
+    probabilities' columns: ``(q . k8) * s_k``, ``(p * s_v) @ v8``. Nothing is dequantized in device memory.
+    ``fp8_upcast`` (static) is the dtype of those products' operands: by default float16 for bf16 / f16 queries
+    (the GPU converts e4m3 to float16 in one instruction; the operands are normalised per row by powers of two,
+    :func:`pallas_kernels.common.half_rows`, so none overflows float16 or loses bits that bfloat16 would keep;
+    H100: 0.71x against 0.79x the bf16 kernel's time with bfloat16 operands at 128K x 1), the query's dtype
+    otherwise (a float32 query keeps float32 products).
 
     Paged caches: ``k``, ``v`` are pools ``[1, Hkv, (N + 1) * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
     sequence b's position p to pool row ``pages[b, p // P] * P + p % P`` (``page_size`` = P, static); the kernel
@@ -268,15 +279,16 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
         got = tuple(None if x is None else x.shape for x in (k_scale, v_scale))
         raise ValueError(f"cache_attention: 8-bit k {k.shape} needs k_scale and v_scale of shape {k.shape[:3] + (1,)}, "
                          f"got {got}")
-    upcast = jnp.dtype(fp8_upcast or q.dtype)
+    half = jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    upcast = jnp.dtype(fp8_upcast or (jnp.float16 if half else q.dtype))
     group = hq // hkv
     lengths = lengths.astype(jnp.int32)
     if causal and t == 1 and not deterministic:  # a decode step: its one query sees rows < length + 1, the plain
         lengths, causal = lengths + 1, False     # form (no block tile)
     rows, row_blocks, block, tiles_per_split, splits = launch_plan(b, t, hq, hkv, s_len, block=block, splits=splits,
                                                                    max_rows=max_rows, paged=pages is not None,
-                                                                   deterministic=deterministic)
-    stages = default_tiling(32 if deterministic else rows, pages is not None)[1]  # deterministic: a verify tiling
+                                                                   deterministic=deterministic, fp8=fp8)
+    stages = default_tiling(32 if deterministic else rows, pages is not None, fp8)[1]  # deterministic: verify's
     kernel = functools.partial(_kernel, rows=rows, row_blocks=row_blocks, group=group, steps=t, block=block,
                                tiles_per_split=tiles_per_split, splits=splits, seq_len=s_len, head_dim=d,
                                cols=next_pow2(d, 16), scale=scale, precision=dot_precision(upcast if fp8 else k.dtype),
