@@ -19,6 +19,9 @@ windows; ``--random-prompts``: random token ids, no corpus) go through:
   over prompts (``paired.py``'s), and whether the speculative tokens equal the target-only ones of the same cache
   (losslessness relative to the fp8-cache target: ``lossless_fp8`` must be true).
 
+``--workload recall`` takes the corpus's recall prompts instead of windows. ``--deterministic`` runs every call with
+``SpecConfig(deterministic=True)``, which a GPU in bfloat16 needs for the losslessness check to be exact (issue 40).
+
 ``--dtype`` is the target's (default: float32 on a CPU, bfloat16 on a GPU; the "auto" cache is that dtype). The
 JSON is rewritten after every context.
 """
@@ -93,8 +96,8 @@ def prompts_for(args, target, ctx: int):
         tok = AutoTokenizer.from_pretrained(args.target_dir)
         corpus = build_corpus()
         args._docs = encode_documents(tok, [d for d in corpus.held_out if d.name != DEMO_PROMPT_PACKAGE])
-    held = held_out_prompts(args._docs, ctx, args.prompts, args.seed + ctx, "windows", new_tokens=args.new_tokens)
-    return [p.ids for p in held], "held-out windows of the demo corpus"
+    held = held_out_prompts(args._docs, ctx, args.prompts, args.seed + ctx, args.workload, new_tokens=args.new_tokens)
+    return [p.ids for p in held], f"held-out {args.workload} prompts of the demo corpus"
 
 
 def run_context(target, draft, ctx: int, args) -> dict:
@@ -103,10 +106,12 @@ def run_context(target, draft, ctx: int, args) -> dict:
     prompts, source = prompts_for(args, target, ctx)
     kw = dict(max_new_tokens=args.new_tokens, stop_token_ids=(), max_cache_len=ctx + args.new_tokens + 64)
     spec = dj.SpecConfig.from_flat(dict(num_speculative_tokens=args.k, draft_context_policy=args.method,
-                                        diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget))
+                                        diffspec_chunk_size=args.chunk, diffspec_token_budget=args.budget,
+                                        deterministic=args.deterministic))
     alone, spec_out, acc = {}, {}, {}
-    for kind in KINDS:
-        alone[kind] = dj.generate(target, None, prompts, kv_cache_dtype=kind, **kw).tokens
+    for kind in KINDS:  # deterministic: target-only runs its steps in the same form (a spec it reads that from)
+        alone[kind] = dj.generate(target, None, prompts, kv_cache_dtype=kind,
+                                  **({"spec": spec} if args.deterministic else {}), **kw).tokens
         res = dj.generate(target, draft, prompts, spec=spec, kv_cache_dtype=kind, **kw)
         spec_out[kind], acc[kind] = res.tokens, res.stats.acceptance_length_per_sequence
     cap = ctx + args.teacher_tokens + 64
@@ -127,7 +132,8 @@ def run_context(target, draft, ctx: int, args) -> dict:
         "acceptance": {"method": args.method, "per_prompt": acc,
                        "mean": {k: float(np.mean(v)) for k, v in acc.items()},
                        "fp8_minus_auto": paired_difference(acc["fp8"], acc["auto"], args.seed)},
-        "lossless_auto": spec_out["auto"] == alone["auto"], "lossless_fp8": spec_out["fp8"] == alone["fp8"]}
+        "lossless_auto": spec_out["auto"] == alone["auto"], "lossless_fp8": spec_out["fp8"] == alone["fp8"],
+        "prompts_differing": {k: sum(a != b for a, b in zip(spec_out[k], alone[k])) for k in KINDS}}
 
 
 def main(argv=None) -> int:
@@ -146,6 +152,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--random-prompts", action="store_true", help="random token ids instead of the held-out corpus")
+    ap.add_argument("--workload", default="windows", choices=("windows", "recall"),
+                    help="the demo corpus's prompt set (corpus.held_out_prompts)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="SpecConfig(deterministic=True) for every call: on a GPU, speculation must then equal "
+                         "target-only on each cache to the bit (without it, bf16 GPU runs may differ: issue 40)")
     ap.add_argument("--quick", action="store_true",
                     help="CPU-sized defaults: contexts 512, 2 prompts, 64 new tokens, 8 teacher tokens, budget 256")
     add_output_arguments(ap, "benchmarks/results/kv_fp8_accuracy.json")
@@ -182,7 +193,8 @@ def main(argv=None) -> int:
                           "greedy_equal_share": case["greedy_agreement"]["mean_equal_share"],
                           "acceptance": case["acceptance"]["mean"],
                           "acceptance_fp8_minus_auto": case["acceptance"]["fp8_minus_auto"],
-                          "lossless_fp8": case["lossless_fp8"]}), flush=True)
+                          "lossless_fp8": case["lossless_fp8"], "prompts_differing": case["prompts_differing"]}),
+              flush=True)
     print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
     return 0 if payload.get("lossless_fp8", True) else 1
 
