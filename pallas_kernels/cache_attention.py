@@ -111,12 +111,11 @@ def default_tiling(rows: int, paged: bool = False, fp8: bool = False) -> tuple[i
     page-table load (H200, random page placement, pages of 64: 32K x 8 1.12x the contiguous step against 1.16x
     with three stages, 8K x 8 0.82x against 0.97x: the sweep in docs/serving.md).
 
-    8-bit rows (``fp8``; H100 sweep, ``benchmarks/kv_fp8_kernel_sweep.py``, pages of 64): a decode step takes
-    128-row tiles in three stages, the same bytes per tile as bf16's 64 rows (128K x 1: 0.71x the bf16 kernel
-    against 0.84x with the bf16 tiling), a verify step 64-row tiles in three stages (128K x 1, T = 5: 0.97x
-    against 1.08x)."""
+    8-bit rows (``fp8``; H100 sweeps, ``benchmarks/kv_fp8_kernel_sweep.py``, pages of 64, float16 operands):
+    decode and verify steps take 128-row tiles in three stages, the same bytes per tile as bf16's 64 rows (128K x 1:
+    decode 0.69x the bf16 kernel against 0.77x with the bf16 tiling; verify, T = 5, 0.94x against 1.16x)."""
     if fp8 and rows <= 64:
-        return (128, 3) if rows <= 16 else (64, 3)
+        return (128, 3)
     if 16 < rows <= 64:
         return (128, 2) if paged else (128, 3)
     return (64, 2)

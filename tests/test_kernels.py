@@ -204,7 +204,7 @@ def test_cache_attention_split_plan():
     assert [default_tiling(r) for r in (16, 32, 64, 128)] == [(64, 2), (128, 3), (128, 3), (64, 2)]
     assert [default_tiling(r, paged=True) for r in (16, 32, 64, 128)] == [(64, 2), (128, 2), (128, 2), (64, 2)]
     assert launch_plan(8, 1, 32, 8, 65536).block == 64 and launch_plan(8, 5, 32, 8, 65536).block == 128
-    assert [default_tiling(r, paged=True, fp8=True) for r in (16, 32, 128)] == [(128, 3), (64, 3), (64, 2)]
+    assert [default_tiling(r, paged=True, fp8=True) for r in (16, 32, 128)] == [(128, 3), (128, 3), (64, 2)]
 
 
 def test_dispatch_cache_attention(monkeypatch):
