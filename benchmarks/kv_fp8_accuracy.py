@@ -23,7 +23,8 @@ windows; ``--random-prompts``: random token ids, no corpus) go through:
 ``SpecConfig(deterministic=True)``, which a GPU in bfloat16 needs for the losslessness check to be exact (issue 40).
 
 ``--dtype`` is the target's (default: float32 on a CPU, bfloat16 on a GPU; the "auto" cache is that dtype). The
-JSON is rewritten after every context.
+JSON (and a PNG beside it: the paired acceptance and the greedy agreement per prompt) is rewritten after every
+context.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-from benchmarks.common import add_output_arguments, claim_outputs, environment, write_json  # noqa: E402
+from benchmarks.common import add_output_arguments, claim_outputs, environment, save_figure, write_json  # noqa: E402
 from benchmarks.paired import build_prompts, paired_difference  # noqa: E402
 
 KINDS = ("auto", "fp8")
@@ -136,6 +137,43 @@ def run_context(target, draft, ctx: int, args) -> dict:
         "prompts_differing": {k: sum(a != b for a, b in zip(spec_out[k], alone[k])) for k in KINDS}}
 
 
+def plot(payload: dict, path) -> str | None:
+    """Per prompt of each context: acceptance on the fp8 cache against the model-dtype one (paired; the diagonal is
+    no change), and the greedy tokens before the first difference of the two caches' target-only outputs."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    cases = payload["cases"]
+    if not cases:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.3))
+    for i, c in enumerate(cases):
+        acc = c["acceptance"]["per_prompt"]
+        d = c["acceptance"]["fp8_minus_auto"]
+        a.scatter(acc["auto"], acc["fp8"], s=18, color=f"C{i}",
+                  label=f"{c['context'] // 1024}K: fp8 - auto {d['mean_difference']:+.3f} "
+                        f"[{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]")
+        prefix = [g["common_prefix"] for g in c["greedy_agreement"]["per_prompt"]]
+        b.bar(np.arange(len(prefix)) + 0.8 * i / len(cases), prefix, 0.8 / len(cases), color=f"C{i}",
+              label=f"{c['context'] // 1024}K (mean {np.mean(prefix):.0f} of {payload['settings']['new_tokens']})")
+    lo, hi = a.get_xlim()
+    a.plot([lo, hi], [lo, hi], "k:", lw=0.8)
+    a.set(xlabel="tokens per verification, model-dtype cache", ylabel="fp8 cache",
+          title=f"acceptance ({cases[0]['acceptance']['method']}), paired per prompt")
+    a.legend(fontsize=7)
+    b.set(xlabel="prompt", ylabel="tokens", title="greedy target-only: tokens before the first difference")
+    b.legend(fontsize=7)
+    env = payload["environment"]
+    mode = "deterministic" if payload["settings"].get("deterministic") else "default mode"
+    fig.suptitle(f"fp8 vs {payload['target_dtype']} K/V, demo pair, {cases[0]['prompt_source']}, {mode}; "
+                 f"{env['device']}", fontsize=9)
+    return save_figure(fig, path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=None, help="target directory (default: the demo pair's)")
@@ -159,8 +197,13 @@ def main(argv=None) -> int:
                          "target-only on each cache to the bit (without it, bf16 GPU runs may differ: issue 40)")
     ap.add_argument("--quick", action="store_true",
                     help="CPU-sized defaults: contexts 512, 2 prompts, 64 new tokens, 8 teacher tokens, budget 256")
+    ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
     add_output_arguments(ap, "benchmarks/results/kv_fp8_accuracy.json")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        path = Path(args.plot_only)
+        print(plot(json.loads(path.read_text()), claim_outputs(ap, args, [path.with_suffix(".png")], __file__)[0]))
+        return 0
     if args.quick:  # small defaults for what the command line leaves at its defaults
         defaults = ap.parse_args([])
         for key, value in (("contexts", "512"), ("prompts", 2), ("new_tokens", 64), ("teacher_tokens", 8),
@@ -172,7 +215,7 @@ def main(argv=None) -> int:
     from diffspec_jax.generate import resolve_dtype_arg
 
     t0 = time.perf_counter()
-    outs = claim_outputs(ap, args, [args.out], __file__)
+    outs = claim_outputs(ap, args, [args.out, Path(args.out).with_suffix(".png")], __file__)
     args.target_dir = Path(args.target) if args.target else demo.target_dir()
     ddir = Path(args.draft) if args.draft else demo.draft_dir()
     dtype = resolve_dtype_arg(args.dtype)
@@ -187,6 +230,7 @@ def main(argv=None) -> int:
         case = run_context(target, draft, ctx, args)
         payload["cases"].append(case)
         payload["lossless_fp8"] = all(c["lossless_fp8"] for c in payload["cases"])
+        payload["figure"] = plot(payload, outs[1])
         write_json(outs[0], payload)
         print(json.dumps({"context": ctx, "logits_max_rel": case["logits"]["max_rel"],
                           "logits_mean_kl": case["logits"]["mean_kl"],

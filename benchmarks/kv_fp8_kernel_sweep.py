@@ -9,7 +9,7 @@ loop, the variants in turn, 7 rounds, medians; the JSON gives each variant's tim
 HBM bytes each reads (K/V rows, scales).
 
     python3 -m benchmarks.kv_fp8_kernel_sweep --out OUT/kv_fp8_kernel_sweep.json [--cells 131072x1x1,32768x8x1]
-        [--time-budget 200] [--variants all|short]           # cells: CONTEXTxBATCHxSTEPS
+        [--time-budget 200] [--variants all|short]           # cells: CONTEXTxBATCHxSTEPS; a PNG beside the JSON
     TINY=1 JAX_PLATFORMS=cpu python3 -m benchmarks.kv_fp8_kernel_sweep --cells 256x2x1 --out /tmp/s.json  # smoke
 """
 from __future__ import annotations
@@ -19,12 +19,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import environment
+from benchmarks.common import add_output_arguments, claim_outputs, environment, save_figure, write_json
 from diffspec_jax.kv_quant import quantize
 from pallas_kernels.cache_attention import cache_attention
 
@@ -60,14 +61,51 @@ def name(v) -> str:
     return f"fp8 {u} b{blk} s{st} w{w}"
 
 
+def plot(payload: dict, path) -> str | None:
+    """Each variant's time over the bf16 kernel's, per cell (the bytes ratio, 8-bit over bf16, dashed)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    cells = [c for c in payload["cells"] if c.get("over_bf16")]
+    if not cells:
+        return None
+    names = list(dict.fromkeys(n for c in cells for n in c["over_bf16"] if n != "bf16"))
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(cells) + 4), 4.5))
+    x = np.arange(len(cells))
+    w = 0.8 / len(names)
+    for i, n in enumerate(names):
+        ax.bar(x + (i - (len(names) - 1) / 2) * w, [c["over_bf16"].get(n, np.nan) for c in cells], w,
+               label=n.replace("fp8 ", ""), color=plt.cm.tab20(i % 20))
+    ax.axhline(1.0, color="k", lw=0.8)
+    bytes_ratio = cells[0]["bytes"]["fp8"] / cells[0]["bytes"]["bf16"]
+    ax.axhline(bytes_ratio, color="gray", ls="--", lw=0.8, label=f"bytes read, fp8 / bf16 ({bytes_ratio:.2f})")
+    ax.set_xticks(x, [f"{c['context'] // 1024}K x {c['batch']}, T={c['steps']}" for c in cells])
+    ax.set(ylabel="time / bf16 kernel's", title="fp8 cache_attention (upcast, block, stages, warps) / bf16, paged")
+    ax.legend(fontsize=6, ncol=2)
+    env = payload["environment"]
+    fig.suptitle(f"one layer, Llama-3.1-8B heads, {env['device']} (JAX {env['versions'].get('jax', '?')})",
+                 fontsize=9)
+    return save_figure(fig, path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cells", default="131072x1x1,131072x1x5,32768x8x1,65536x1x1")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--time-budget", type=float, default=200.0)
     ap.add_argument("--variants", choices=("all", "short"), default="all")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
+    add_output_arguments(ap, "kv_fp8_kernel_sweep.json")
     args = ap.parse_args(argv)
+    if args.plot_only:
+        path = Path(args.plot_only)
+        print(plot(json.loads(path.read_text()), claim_outputs(ap, args, [path.with_suffix(".png")], __file__)[0]))
+        return 0
+    outs = claim_outputs(ap, args, [args.out, Path(args.out).with_suffix(".png")], __file__)
     t0 = time.perf_counter()
     hq, hkv, d = (4, 2, 16) if os.environ.get("TINY") else (32, 8, 128)
     rng = np.random.default_rng(0)
@@ -121,10 +159,8 @@ def main(argv=None) -> int:
               json.dumps({n: round(x, 3) for n, x in res["over_bf16"].items()}), flush=True)
         del k, v, k8, v8
     out["elapsed_s"] = time.perf_counter() - t0
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, args.out)
+    out["figure"] = plot(out, outs[1])
+    write_json(outs[0], out)
     return 0
 
 

@@ -294,7 +294,8 @@ def plot(payload: dict, path) -> str | None:
     except ImportError:
         return None
     cells, pre = payload["cells"], payload["prefill"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, axes = plt.subplots(1, 2 if pre else 1, figsize=(12 if pre else 7, 4.2), squeeze=False)
+    a, b = axes[0, 0], (axes[0, 1] if pre else None)
     x = np.arange(len(cells))
     variants = list(dict.fromkeys(v for c in cells for v in c.get("variants", VARIANTS)))
     width = 0.8 / max(1, len(variants))
@@ -320,7 +321,7 @@ def plot(payload: dict, path) -> str | None:
         b.bar(xp + len(pv) / 2 * w, [gen.get(p["context"], 0.0) for p in pre], w, label="generate() today")
         b.set_xticks(xp, [f"{_tokens(p['context'])}, width {p['width']}" for p in pre])
         b.legend(fontsize=8)
-    b.set(title="prefill, batch 1", ylabel="s")
+        b.set(title="prefill, batch 1", ylabel="s")
     env = payload["environment"]
     shape = "tiny target (--quick)" if payload["settings"]["quick"] else "Llama-3.1-8B-shaped target"
     fig.suptitle(f"{shape}, random bf16 weights, {env['device']} (JAX "
