@@ -5,8 +5,9 @@ over a paged pool (pages of ``--page-size`` placed at random), the cache filled 
 bf16 pool at its default tiling, and the same rows quantized by ``diffspec_jax.kv_quant.quantize`` read by each
 fp8 variant (``fp8_upcast``: the dtype the e4m3 rows are upcast to in registers, bfloat16 = the query's, or
 float16; ``block``, ``num_stages``, ``num_warps``). Each variant is timed as 20 back-to-back calls inside one jitted
-loop, the variants in turn, 7 rounds, medians; the JSON gives each variant's time over the bf16 kernel's, and the
-HBM bytes each reads (K/V rows, scales).
+loop, the variants in turn, 7 rounds, medians; the JSON gives each variant's time over the bf16 kernel's, the HBM
+bytes each reads (K/V rows, scales), and how far each fp8 variant's output is from the first one's (they read the
+same rows: only rounding differs).
 
     python3 -m benchmarks.kv_fp8_kernel_sweep --out OUT/kv_fp8_kernel_sweep.json [--cells 131072x1x1,32768x8x1]
         [--time-budget 200] [--variants all|short]           # cells: CONTEXTxBATCHxSTEPS; a PNG beside the JSON
@@ -40,13 +41,17 @@ SHORT = [("bfloat16", None, None, None), ("bfloat16", 128, 3, 4), ("float16", No
 
 
 def looped(fn):
-    """``INNER`` chained calls in one program (each call's query depends on the last output, so none is elided)."""
+    """``INNER`` chained calls in one program (each call's query depends on the last output, so none is elided);
+    ``.__wrapped__(..., single=True)`` is one call's output."""
     def run(q, *a):
         def body(i, acc):
             o, _ = fn(q + acc.astype(q.dtype) * 0, *a)
             return acc + o[0, 0, 0, 0].astype(jnp.float32)
         return jax.lax.fori_loop(0, INNER, body, jnp.zeros((), jnp.float32))
-    return jax.jit(run)
+
+    timed_fn = jax.jit(run)
+    timed_fn.__wrapped__ = lambda q, *a, single: jax.jit(fn)(q, *a)[0]
+    return timed_fn
 
 
 def timed(f, *a) -> float:
@@ -130,16 +135,20 @@ def main(argv=None) -> int:
             variants[name(var)] = (looped(lambda q, k, v, ks, vs, l, u=u, blk=blk, st=st, w=w: cache_attention(
                 q, k, v, l, k_scale=ks, v_scale=vs, fp8_upcast=u, block=blk, num_stages=st, num_warps=w, **common)),
                 (k8.values, v8.values, k8.scale, v8.scale, lengths))
-        errors, ready = {}, {}
+        errors, ready, outputs = {}, {}, {}
         for n, (f, a) in variants.items():
             if time.perf_counter() - t0 > args.time_budget:
                 errors[n] = "time budget"
                 continue
             try:
                 jax.block_until_ready(f(q, *a))
+                outputs[n] = np.asarray(f.__wrapped__(q, *a, single=True), np.float32) if n != "bf16" else None
                 ready[n] = (f, a)
             except Exception as e:  # a tiling that does not fit (shared memory) is reported, not fatal
                 errors[n] = f"{type(e).__name__}: {str(e)[:300]}"
+        first = next((o for o in outputs.values() if o is not None), None)
+        agree = {n: float(np.abs(o - first).max() / max(1e-30, np.abs(first).max()))
+                 for n, o in outputs.items() if o is not None}
         times = {n: [] for n in ready}
         for _ in range(ROUNDS):
             for n, (f, a) in ready.items():
@@ -150,7 +159,8 @@ def main(argv=None) -> int:
         res = {"context": ctx, "batch": b, "steps": t, "us": {n: x * 1e6 for n, x in med.items()},
                "over_bf16": {n: x / base for n, x in med.items()} if base else {},
                "bytes": {"bf16": rows * d * 2 * 2, "fp8": rows * (d + 4) * 2},
-               "errors": errors}
+               "errors": errors,
+               "max_diff_vs_first_fp8": agree}   # each fp8 variant's output against the first's, over its max
         if med:
             best = min((n for n in med if n != "bf16"), key=med.get, default=None)
             res["best_fp8"] = best

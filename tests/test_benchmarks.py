@@ -608,3 +608,19 @@ def test_paged_steps_helpers():
     assert t["paged-fp8_decode_128k_b1_le_0.75x_bf16_128k_b1"]["met"]
     assert not t["paged-fp8_decode_32k_b8_le_0.75x_bf16_128k_b1"]["met"]
     assert t["paged-fp8_runs_128k_b8"] == {"value": True, "met": True, "bf16_error": "OOM"} and len(t) == 3
+
+
+def test_kv_fp8_kernel_sweep_tiny(tmp_path, monkeypatch):
+    """The fp8 kernel sweep on tiny heads (interpreted): every variant runs, they agree to rounding, JSON + PNG."""
+    from benchmarks import kv_fp8_kernel_sweep
+
+    monkeypatch.setenv("TINY", "1")
+    out = tmp_path / "s.json"
+    assert kv_fp8_kernel_sweep.main(["--cells", "128x1x1", "--page-size", "16", "--variants", "short",
+                                     "--out", str(out)]) == 0
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert not cell["errors"] and set(cell["over_bf16"]) == {"bf16"} | {kv_fp8_kernel_sweep.name(v)
+                                                                      for v in kv_fp8_kernel_sweep.SHORT}
+    assert len(cell["max_diff_vs_first_fp8"]) == len(kv_fp8_kernel_sweep.SHORT)
+    assert max(cell["max_diff_vs_first_fp8"].values()) < 2e-2  # bf16 vs float16 operands, bf16 outputs
+    assert out.with_suffix(".png").stat().st_size > 0
