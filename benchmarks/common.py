@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
@@ -123,6 +124,21 @@ def claim_outputs(ap, args, paths: Sequence[str | Path], script: str) -> list[Ou
 
 def _output(out: OutputFile | str | Path) -> OutputFile:
     return out if isinstance(out, OutputFile) else OutputFile(out, tool=TOOL)
+
+
+def add_plot_only_argument(ap) -> None:
+    """``--plot-only FILE``: redraw the figure of an earlier run's JSON (see :func:`redraw`)."""
+    ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
+
+
+def redraw(ap, args, plot, script: str, prepare=lambda payload: payload) -> bool:
+    """With ``--plot-only FILE``: draw ``plot(prepare(payload), png)`` beside FILE (the PNG claimed like any output)
+    and print its name; returns whether it did (the benchmark then exits)."""
+    if not getattr(args, "plot_only", None):
+        return False
+    path = Path(args.plot_only)
+    print(plot(prepare(json.loads(path.read_text())), claim_outputs(ap, args, [path.with_suffix(".png")], script)[0]))
+    return True
 
 
 def write_json(out: OutputFile | str | Path, payload: dict) -> Path:

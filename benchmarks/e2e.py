@@ -58,8 +58,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import long_context as lc  # noqa: E402
-from benchmarks.common import (add_output_arguments, claim_outputs, copy_bandwidth, environment,  # noqa: E402
-                               save_figure, write_json)
+from benchmarks.common import (add_output_arguments, add_plot_only_argument, claim_outputs, copy_bandwidth,  # noqa: E402
+                               environment, redraw, save_figure, write_json)
 
 METHODS = ("target", "recent", "diffspec")
 #: issue 23's targets
@@ -287,11 +287,9 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="start no case after this many seconds")
     ap.add_argument("--quick", action="store_true")
     add_output_arguments(ap, "benchmarks/results/e2e.json")
-    ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
+    add_plot_only_argument(ap)
     args = ap.parse_args(argv)
-    if args.plot_only:
-        path = Path(args.plot_only)
-        print(plot(json.loads(path.read_text()), *claim_outputs(ap, args, [path.with_suffix(".png")], __file__)))
+    if redraw(ap, args, plot, __file__):
         return 0
     methods = [m for m in args.methods.split(",") if m]
     if set(methods) - set(METHODS):

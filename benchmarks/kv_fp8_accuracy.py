@@ -45,7 +45,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [str(HERE.parent)] + [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
-from benchmarks.common import add_output_arguments, claim_outputs, environment, save_figure, write_json  # noqa: E402
+from benchmarks.common import (add_output_arguments, add_plot_only_argument, claim_outputs, environment,  # noqa: E402
+                               redraw, save_figure, write_json)
 from benchmarks.paired import build_prompts, paired_difference  # noqa: E402
 
 KINDS = ("auto", "fp8")
@@ -197,12 +198,10 @@ def main(argv=None) -> int:
                          "target-only on each cache to the bit (without it, bf16 GPU runs may differ: issue 40)")
     ap.add_argument("--quick", action="store_true",
                     help="CPU-sized defaults: contexts 512, 2 prompts, 64 new tokens, 8 teacher tokens, budget 256")
-    ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
+    add_plot_only_argument(ap)
     add_output_arguments(ap, "benchmarks/results/kv_fp8_accuracy.json")
     args = ap.parse_args(argv)
-    if args.plot_only:
-        path = Path(args.plot_only)
-        print(plot(json.loads(path.read_text()), claim_outputs(ap, args, [path.with_suffix(".png")], __file__)[0]))
+    if redraw(ap, args, plot, __file__):
         return 0
     if args.quick:  # small defaults for what the command line leaves at its defaults
         defaults = ap.parse_args([])

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import add_output_arguments, claim_outputs, environment, save_figure, write_json
+from benchmarks.common import (add_output_arguments, add_plot_only_argument, claim_outputs, environment, redraw,
+                               save_figure, write_json)
 from diffspec_jax.kv_quant import quantize
 from pallas_kernels.cache_attention import cache_attention
 
@@ -103,12 +104,10 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--time-budget", type=float, default=200.0)
     ap.add_argument("--variants", choices=("all", "short"), default="all")
-    ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
+    add_plot_only_argument(ap)
     add_output_arguments(ap, "kv_fp8_kernel_sweep.json")
     args = ap.parse_args(argv)
-    if args.plot_only:
-        path = Path(args.plot_only)
-        print(plot(json.loads(path.read_text()), claim_outputs(ap, args, [path.with_suffix(".png")], __file__)[0]))
+    if redraw(ap, args, plot, __file__):
         return 0
     outs = claim_outputs(ap, args, [args.out, Path(args.out).with_suffix(".png")], __file__)
     t0 = time.perf_counter()

@@ -57,8 +57,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (REPO, add_output_arguments, claim_outputs, context_axis, copy_bandwidth,
-                               environment, log_yticks, matmul_peak, reference_line, save_figure, write_json)
+from benchmarks.common import (REPO, add_output_arguments, add_plot_only_argument, claim_outputs, context_axis,
+                               copy_bandwidth, environment, log_yticks, matmul_peak, redraw, reference_line,
+                               save_figure, write_json)
 from benchmarks.self_projection import acceptance_of, cycle_with_retrieval, project
 
 #: acceptance lengths (tokens per verification, bonus included) for projected speedups; random weights accept
@@ -1029,7 +1030,7 @@ def main(argv=None) -> int:
     ap.add_argument("--time-budget-s", type=float, default=0.0,
                     help="start no case once this many seconds have passed (0 = no limit)")
     ap.add_argument("--resume", default=None, help="keep the cases and peer rows of this JSON and skip them")
-    ap.add_argument("--plot-only", default=None, help="redraw the PNG of this JSON and exit")
+    add_plot_only_argument(ap)
     ap.add_argument("--steps-only", action="store_true",
                     help="per case only the target's decode and verify steps (no draft, retrieval or cycles)")
     ap.add_argument("--prefill", action="store_true",
@@ -1048,10 +1049,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.draft == "self":  # the EAGLE-3 draft's parts are not measured
         args.steps_only = True
-    if args.plot_only:
-        path = Path(args.plot_only)
-        print(plot(finalize(json.loads(path.read_text())), *claim_outputs(ap, args, [path.with_suffix(".png")],
-                                                                          __file__)))
+    if redraw(ap, args, plot, __file__, prepare=finalize):
         return 0
     if args.peer_worker:
         return peer_worker(args)

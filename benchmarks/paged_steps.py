@@ -69,9 +69,9 @@ VARIANTS = LAYOUTS
 
 
 def parse_cells(text: str) -> list[tuple[int, int]]:
-    """``"8192x1,32768x8"`` -> ``[(8192, 1), (32768, 8)]``."""
+    """``"8192x1,32768x8"`` -> ``[(8192, 1), (32768, 8)]`` (``""``: none, a prefill-only run)."""
     cells = []
-    for item in text.split(","):
+    for item in filter(str.strip, text.split(",")):
         ctx, _, batch = item.strip().lower().partition("x")
         cells.append((int(ctx), int(batch or 1)))
     return cells

@@ -2,6 +2,7 @@
 dense NumPy attention over the dequantized rows, a transformers-built checkpoint's logits on an fp8 cache against
 the float32 cache, losslessness of speculation relative to the fp8-cache target, and the setting's validation."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,10 +10,12 @@ import pytest
 from conftest import hf_logits, random_prompts, rel_err
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.kv_quant import FP8_MAX, Fp8Rows, dequantize, quantize
+from diffspec_jax.models import attention as target_attention
 from diffspec_jax.models.layers import attention_prefix
 from diffspec_jax.retrieval import head_sum_scores
 from pallas_kernels.cache_attention import cache_attention
 from pallas_kernels.chunk_scores import chunk_scores
+from pallas_kernels.common import use_kernels
 
 
 def _dense_numpy(q, k, v, lengths, scale, causal):
@@ -144,6 +147,44 @@ def test_fp8_kernel_float16_operands_keep_extreme_rows():
     assert errs["float16"] <= 1.5 * errs["bfloat16"], errs
 
 
+def test_fp8_prefill_chunk_reads_its_prefix_in_dequantized_segments(monkeypatch):
+    """A prefill chunk over an 8-bit prefix on the fast path (cuDNN on a GPU, XLA here) dequantizes the prefix one
+    segment at a time (``flash_prefix_fp8``: segments of 80 rows here, skipped past every prefix) and merges the
+    parts: output, log-sum-exp and the written rows equal the reference's tiled loop over the same 8-bit rows,
+    contiguous and through a shuffled page table, with ragged prefixes (one empty, one spanning 6 segments)."""
+    monkeypatch.setattr(target_attention, "FP8_PREFIX_SEGMENT", 32)
+    rng = np.random.default_rng(45)
+    b, t, hq, hkv, s, d, page = 3, 80, 4, 2, 512, 16, 16
+    f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    q, k, v = f(b, t, hq, d), f(b, t, hkv, d), f(b, t, hkv, d)
+    kb, vb = quantize(f(b, hkv, s, d)), quantize(f(b, hkv, s, d))
+    start = jnp.asarray([0, 200, 431], jnp.int32)
+    pages = rng.permutation(b * s // page).reshape(b, s // page).astype(np.int32)
+
+    def pool(rows):  # the same rows in a shuffled pool [1, Hkv, (N + 1) * P, D] (the last page: scratch)
+        def one(a):
+            a = np.asarray(a)
+            out = np.zeros((1, hkv, (b * s // page + 1) * page, a.shape[-1]), a.dtype)
+            for bi in range(b):
+                for j, pg in enumerate(pages[bi]):
+                    out[0, :, pg * page:(pg + 1) * page] = a[bi, :, j * page:(j + 1) * page]
+            return jnp.asarray(out)
+        return Fp8Rows(values=one(rows.values), scale=one(rows.scale))
+
+    def run(backend, kb, vb, pages=None):
+        fn = jax.jit(lambda *a: target_attention.cache_attention(*a, 0.25, pages=pages, page_size=page if
+                                                                 pages is not None else 0))
+        with use_kernels(backend), jax.default_matmul_precision("highest"):
+            (out, lse), kb2, _ = fn(q, k, v, kb, vb, start)
+        rows = kb2 if pages is None else target_attention.page_view(kb2, pages, page)
+        return np.asarray(out), np.asarray(lse), np.asarray(dequantize(rows))
+
+    want = run("reference", kb, vb)
+    for got in (run("pallas", kb, vb), run("pallas", pool(kb), pool(vb), jnp.asarray(pages))):
+        for a, w in zip(got, want):
+            np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_cache_logits_against_the_float32_cache(targets, hf_models):
     """A transformers-built tiny Llama: prefill (chunks of 64, over a prefix) and cached decode steps of 1 and 5
     tokens on an fp8 cache against the float32 cache (which matches transformers to 1e-5) and transformers itself:
@@ -238,7 +279,7 @@ def test_kv_cache_dtype_setting_and_page_bytes(targets, capsys):
     per_row = tc.num_hidden_layers * 2 * tc.num_key_value_heads * 64
     assert (bf16, fp8) == (per_row * 256, per_row * 132)
     assert bf16 / fp8 > 1.9
-    assert prefill_token_bytes(tc, fp8=True) > prefill_token_bytes(tc)  # the fp8 prefix kernel's partials count
+    assert prefill_token_bytes(tc, fp8=True) > prefill_token_bytes(tc)  # the fp8 prefix segments count
 
 
 def test_server_engine_on_a_mesh_with_an_fp8_pool(targets, drafts):

@@ -21,8 +21,11 @@ size, ``M`` = MLP width (``I``, or ``top_k x I + shared`` for MoE), ``r`` = the 
     attention    = it * (2H + 2Q + 2 Hq D) + 4 * 2 Hq (D + 1)  norm, q/k/v before and after RoPE (Q = their
                                                                width), the block and prefix outputs; float32 merge
                    [+ 4 * Hq * (2 tile + D + 2) on the tiled reference loop: float32 scores of one key tile]
-                   [+ 8 * Hq * (D + 2) with an fp8 cache on the flash path: the prefix kernel's float32 partial
-                    output and statistics, and their merge (:mod:`diffspec_jax.kv_quant`)]
+                   [+ (8 + it) * Hq * (D + 2) + 2 Hkv * (D + 4 + it D) with an fp8 cache on the flash path: the
+                    prefix attended segment by segment (:func:`~diffspec_jax.models.attention.flash_prefix_fp8`),
+                    its float32 running output and their merge, and one segment's 8-bit rows (values and scale)
+                    gathered and dequantized, a segment being as many rows as the chunk is wide (at least
+                    :data:`~diffspec_jax.models.attention.FP8_PREFIX_SEGMENT`)]
                    [hybrids: at least it * (2H + 2 Ql) + 4 * Hv * (8 max(Dk, Dv) + 2 C), Gated DeltaNet's
                     projections (Ql wide) and its chunked form's float32 q, k, v, decayed copies, u, w and
                     output over Hv value heads, and [C, C] intra-chunk matrices (C = DELTA_CHUNK)]
@@ -153,7 +156,8 @@ def prefill_token_bytes(target: ModelConfig, draft: DraftConfig | None = None, a
     """Bytes one token of a prefill chunk keeps live at the chunk's peak (the module docstring's formula);
     ``aux_layers``: target layers whose inputs the draft reads; ``flash``: attention on a flash kernel (else the
     tiled reference loop's float32 scores count); ``tp``: tensor-parallel shards (heads and MLP split); ``fp8``: an
-    8-bit K/V cache (on the flash path its prefix attention runs the cache kernel, whose partials count)."""
+    8-bit K/V cache (on the flash path its prefix is dequantized and attended segment by segment: a segment's rows
+    and the running output count)."""
     c, it = target, int(itemsize)
     h, d = c.hidden_size, c.head_dim
     hq, hkv = max(1, c.num_attention_heads // tp), max(1, c.num_key_value_heads // tp)
@@ -170,7 +174,7 @@ def prefill_token_bytes(target: ModelConfig, draft: DraftConfig | None = None, a
     if not flash:
         attn += 4 * hq * (2 * _TILE + d + 2)
     elif fp8:
-        attn += 8 * hq * (d + 2)
+        attn += (8 + it) * hq * (d + 2) + 2 * hkv * (d + 4 + it * d)
     if c.is_hybrid and c.num_experts:
         k = max(1, c.num_experts_per_tok)
         mlp = it * (2 * k * h + 3 * (k * c.intermediate_size + c.shared_expert_intermediate_size) // tp) \

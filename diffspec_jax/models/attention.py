@@ -159,6 +159,52 @@ def flash_prefix(q, k_buf, v_buf, start, scale):
     return jnp.where(empty[..., None], jnp.zeros((), out.dtype), out), jnp.where(empty, NEG_INF, lse)
 
 
+#: the fewest cache rows per segment of an 8-bit prefix that a prefill chunk dequantizes at a time
+#: (:func:`flash_prefix_fp8`; a segment is at least the chunk's width)
+FP8_PREFIX_SEGMENT = 4096
+
+
+def flash_prefix_fp8(q, k_buf, v_buf, start, scale, *, pages=None, page_size=0):
+    """:func:`flash_prefix` over 8-bit buffers (:class:`~diffspec_jax.kv_quant.Fp8Rows`, contiguous ``[B, Hkv, S,
+    D]`` or a pool read through ``pages``): the prefix in segments of ``max(T, FP8_PREFIX_SEGMENT)`` rows (whole
+    pages), each gathered, dequantized to q's dtype and attended by the flash kernel, the parts merged by their
+    log-sum-exp in a loop that skips segments past every row's prefix. So a prefill chunk runs on cuDNN (which reads
+    full-precision operands only) and dequantizes one segment at a time, a temporary the size of the chunk's own
+    rows, never the cache. Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``."""
+    b, t = q.shape[:2]
+    reach = k_buf.shape[2] if pages is None else pages.shape[1] * page_size
+    seg = max(t, FP8_PREFIX_SEGMENT)
+    if pages is not None:
+        seg = -(-seg // page_size) * page_size
+        per = seg // page_size
+        n = -(-pages.shape[1] // per)
+        table = jnp.pad(pages, ((0, 0), (0, n * per - pages.shape[1])))  # past every prefix: never visible
+    else:
+        n = -(-reach // seg)
+    start = start.astype(jnp.int32)
+
+    def rows(buf, i):  # segment i of one buffer, [B, Hkv, seg, D], 8-bit as stored
+        if pages is None:
+            pos = jnp.clip(i * seg + jnp.arange(seg), 0, reach - 1)  # rows past the buffer: never visible
+            return rowwise(lambda a: jnp.take(a, pos, axis=2), buf)
+        cols = jax.lax.dynamic_slice_in_dim(table, i * per, per, axis=1)
+        return page_view(buf, cols, page_size)
+
+    def part(carry, i):
+        lengths = jnp.clip(start - i * seg, 0, seg)
+
+        def attend(carry):
+            k, v = (dequantize(rows(buf, i), q.dtype) for buf in (k_buf, v_buf))
+            out, lse = flash_prefix(q, k, v, lengths, scale)
+            return merge_attention(carry[0], carry[1], out, lse)
+
+        return jax.lax.cond(jnp.any(lengths > 0), attend, lambda c: c, carry), None
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:3], NEG_INF, jnp.float32))
+    (out, lse), _ = jax.lax.scan(part, init, jnp.arange(n, dtype=jnp.int32))
+    return out.astype(q.dtype), lse
+
+
 def flash_causal(q, k, v, scale):
     """Causal attention of a block over itself: q ``[B, T, Hq, D]``, k, v ``[B, T, Hkv, D]`` (row i sees rows
     ``0..i``). Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``. cuDNN on GPUs, splash attention on TPUs."""
@@ -253,8 +299,8 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_buf: jax.Array, 
     block = flash_causal(q, *own, scale)
     if not prefix:  # a prompt's first chunk: nothing before it, nothing to merge
         return (block[0].astype(q.dtype), block[1]), kb, vb
-    if is_fp8(kb):  # cuDNN and splash read full-precision operands: the prefix by the kernel, over the 8-bit rows
-        before = run_cache_attention(q, kb, vb, start.astype(jnp.int32), scale=scale, **paged)
+    if is_fp8(kb):  # cuDNN and splash read full-precision operands: the prefix dequantized segment by segment
+        before = flash_prefix_fp8(q, kb, vb, start, scale, **paged)
     else:
         before = flash_prefix(q, view(kb), view(vb), start, scale)
     out, lse = merge_attention(before[0], before[1], block[0], block[1])
