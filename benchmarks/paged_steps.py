@@ -294,31 +294,35 @@ def plot(payload: dict, path) -> str | None:
     except ImportError:
         return None
     cells, pre = payload["cells"], payload["prefill"]
-    fig, axes = plt.subplots(1, 2 if pre else 1, figsize=(12 if pre else 7, 4.2), squeeze=False)
-    a, b = axes[0, 0], (axes[0, 1] if pre else None)
-    x = np.arange(len(cells))
-    variants = list(dict.fromkeys(v for c in cells for v in c.get("variants", VARIANTS)))
-    width = 0.8 / max(1, len(variants))
-    for i, v in enumerate(variants):  # the decode step of each variant; the verify step's beside it, hollow
-        off = (i - (len(variants) - 1) / 2) * width
-        a.bar(x + off, [1e3 * c["decode_step_s"].get(v, np.nan) for c in cells], width, label=f"{v} decode")
-        a.bar(x + off, [1e3 * c["verify_step_s"].get(v, np.nan) for c in cells], width, fill=False,
-              edgecolor="gray", label=f"{v} verify" if i == 0 else None)
-    for xi, c in zip(x, cells):
-        for v, why in c.get("errors", {}).items():
-            a.annotate(f"{v}: did not run", (xi, 0.0), textcoords="offset points", xytext=(0, 3), ha="center",
-                       fontsize=7, rotation=90)
-    a.set_xticks(x, [f"{_tokens(c['context'])} x {c['batch']}" for c in cells])
-    a.set(title=f"target step time (page size {payload['settings']['page_size']})", ylabel="ms")
-    a.legend(fontsize=7)
-    if pre:
-        xp = np.arange(len(pre))
-        pv = [v for v in variants if all(v in p for p in pre)] or list(VARIANTS)
-        w = 0.8 / (len(pv) + 1)
-        for i, v in enumerate(pv):
-            b.bar(xp + (i - len(pv) / 2) * w, [p.get(v, np.nan) for p in pre], w, label=f"{v} (target.prefill)")
+    panels = [kind for kind, rows in (("steps", cells), ("prefill", pre)) if rows]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 1, 4.2), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    if cells:  # the decode step of each variant; the verify step's beside it, hollow
+        a, x = axes["steps"], np.arange(len(cells))
+        variants = list(dict.fromkeys(v for c in cells for v in c.get("variants", VARIANTS)))
+        width = 0.8 / max(1, len(variants))
+        for i, v in enumerate(variants):
+            off = (i - (len(variants) - 1) / 2) * width
+            a.bar(x + off, [1e3 * c["decode_step_s"].get(v, np.nan) for c in cells], width, label=f"{v} decode")
+            a.bar(x + off, [1e3 * c["verify_step_s"].get(v, np.nan) for c in cells], width, fill=False,
+                  edgecolor="gray", label=f"{v} verify" if i == 0 else None)
+        for xi, c in zip(x, cells):
+            for v, why in c.get("errors", {}).items():
+                a.annotate(f"{v}: did not run", (xi, 0.0), textcoords="offset points", xytext=(0, 3), ha="center",
+                           fontsize=7, rotation=90)
+        a.set_xticks(x, [f"{_tokens(c['context'])} x {c['batch']}" for c in cells])
+        a.set(title=f"target step time (page size {payload['settings']['page_size']})", ylabel="ms")
+        a.legend(fontsize=7)
+    if pre:  # each variant's chunked prefill, and generate()'s where it ran
+        b, xp = axes["prefill"], np.arange(len(pre))
+        pv = list(dict.fromkeys(v for p in pre for v in p.get("runs_s", {}) if p["runs_s"][v]))
         gen = {g["context"]: g["prefill_s"] for g in payload["generate_prefill"]}
-        b.bar(xp + len(pv) / 2 * w, [gen.get(p["context"], 0.0) for p in pre], w, label="generate() today")
+        bars = [(f"{v} (target.prefill)", [p.get(v, np.nan) for p in pre]) for v in pv]
+        if gen:
+            bars.append(("generate() today", [gen.get(p["context"], np.nan) for p in pre]))
+        w = 0.8 / len(bars)
+        for i, (label, ys) in enumerate(bars):
+            b.bar(xp + (i - (len(bars) - 1) / 2) * w, ys, w, label=label)
         b.set_xticks(xp, [f"{_tokens(p['context'])}, width {p['width']}" for p in pre])
         b.legend(fontsize=8)
         b.set(title="prefill, batch 1", ylabel="s")
