@@ -5,9 +5,10 @@ over a paged pool (pages of ``--page-size`` placed at random), the cache filled 
 bf16 pool at its default tiling, and the same rows quantized by ``diffspec_jax.kv_quant.quantize`` read by each
 fp8 variant (``fp8_upcast``: the dtype the e4m3 rows are upcast to in registers, bfloat16 = the query's, float16,
 or float8_e4m3fn = none, the query and probability rows split into two e4m3 parts each; ``block``,
-``num_stages``, ``num_warps``). Each variant is timed as 20 back-to-back calls inside one jitted loop, the variants in turn, 7 rounds, medians; the JSON gives each variant's time over the bf16 kernel's, the HBM
-bytes each reads (K/V rows, scales), and how far each fp8 variant's output is from the first one's (they read the
-same rows: only rounding differs).
+``num_stages``, ``num_warps``). Each variant is timed as 20 back-to-back calls inside one jitted loop, the
+variants in turn, 7 rounds, medians; the JSON gives each variant's time over the bf16 kernel's, the HBM bytes each
+reads (K/V rows, scales), and how far each fp8 variant's output is from the first one's (they read the same rows:
+only rounding differs).
 
     python3 -m benchmarks.kv_fp8_kernel_sweep --out OUT/kv_fp8_kernel_sweep.json [--cells 131072x1x1,32768x8x1]
         [--time-budget 200] [--variants all|short]           # cells: CONTEXTxBATCHxSTEPS; a PNG beside the JSON
