@@ -26,8 +26,8 @@ q) and reduces them to ``block / C`` chunk sums per KV head (summed over KV head
 ``[Hq, S]`` probabilities never reach device memory. Rows past the root are masked off and not read, and tiles
 wholly past it are not walked (a trip count clipped by the root, so a program whose range lies past the root loads
 no key nor table entry; the epilogue scores their chunks 0). Over a paged pool each tile's rows are loaded through
-the page table (one table entry per tile where pages hold whole tiles, else ``block`` entries masked like the
-rows), so paging costs no copy. Bytes moved: one read of ``K[0..r]`` (and, paged, of the table entries of positions ``0..r``) +
+the page table (one more small vector load of ``block`` table entries per tile, masked like the rows), so paging
+costs no copy. Bytes moved: one read of ``K[0..r]`` (and, paged, of the table entries of positions ``0..r``) +
 ``B x S / C`` float32 outputs.
 Reference: :func:`diffspec_jax.retrieval.head_sum_scores` (same signature; over a paged pool, the per-sequence
 view gathered through the table: :func:`diffspec_jax.retrieval.run_chunk_scores`).
@@ -69,8 +69,7 @@ def _kernel(q_ref, lse_ref, k_ref, root_ref, *refs, block, tiles, chunk, seq_len
         start = first + i * block
         pos = start + jnp.arange(block)
         visible = (pos <= root) & (pos < seq_len)  # masked-off rows are not read
-        sb, row = paged_rows(pt_ref, b, pos, visible, page_size,  # (table entries past the root never read)
-                             start if page_size and page_size % block == 0 else None)  # a tile in one page
+        sb, row = paged_rows(pt_ref, b, pos, visible, page_size)  # (table entries past the root never read)
         k = plgpu.load(k_ref.at[sb, g, row[:, None], d], mask=visible[:, None], other=jnp.zeros((), k_ref.dtype))
         if fp8:
             k = k.astype(jnp.bfloat16)
