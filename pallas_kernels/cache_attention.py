@@ -195,9 +195,9 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     first = s * per_split * block
     n_tiles = jnp.clip((length - first + block - 1) // block, 0, per_split)
 
-    def tile(carry, pos, visible, seen, start=None):
+    def tile(carry, pos, visible, seen):
         mask = cols_in(visible[:, None])                  # rows not visible are never read
-        sb, row = paged_rows(pt_ref, b, pos, visible, page_size, start)
+        sb, row = paged_rows(pt_ref, b, pos, visible, page_size)
         k = plgpu.load(k_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), k_ref.dtype))
         v = plgpu.load(v_ref.at[sb, g, row[:, None], d], mask=mask, other=jnp.zeros((), v_ref.dtype))
         ks = vs = None
@@ -207,17 +207,12 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
         return online_softmax_step(carry, q, k, v, seen, scale=scale, precision=precision, k_scale=ks, v_scale=vs,
                                    q_pow2=q_pow2)
 
-    # a tile starts at a multiple of `block`, so where pages hold whole tiles it lies in one page (one table load)
-    one_page = bool(page_size) and page_size % block == 0
-
     def body(i, carry):                                   # the committed prefix: rows < length
-        start = first + i * block
-        pos = start + jnp.arange(block)
+        pos = first + i * block + jnp.arange(block)
         visible = pos < length
-        start = start if one_page else None
         if inline:                                        # and the block, each row up to its own position
-            return tile(carry, pos, visible, visible[None, :] & (pos[None, :] <= (prefix + t_of)[:, None]), start)
-        return tile(carry, pos, visible, visible[None, :], start)
+            return tile(carry, pos, visible, visible[None, :] & (pos[None, :] <= (prefix + t_of)[:, None]))
+        return tile(carry, pos, visible, visible[None, :])
 
     init = (jnp.zeros((rows, cols), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
@@ -262,8 +257,7 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
 
     Paged caches: ``k``, ``v`` are pools ``[1, Hkv, (N + 1) * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
     sequence b's position p to pool row ``pages[b, p // P] * P + p % P`` (``page_size`` = P, static); the kernel
-    loads each tile's rows through the table, so paging costs no copy: one table entry per tile where pages hold
-    whole tiles (``page_size`` a multiple of the tile, the server's pages of 128), else one per row.
+    loads each tile's rows through the table (one more small vector load per tile), so paging costs no copy.
 
     Tuning knobs (static; ``block`` and ``num_stages`` default to :func:`default_tiling`): ``block`` cache rows
     per tile (a power of two >= 16; capped at the cache length rounded up to a power of two), ``splits`` ranges per (sequence, KV head) (default :func:`default_splits`; capped at
