@@ -150,6 +150,32 @@ def test_cache_attention_causal(t, opts):
     np.testing.assert_allclose(np.asarray(ours[0]), ref_out, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("t, page, block", [(1, 32, 16), (5, 16, 16), (5, 16, 32)])
+def test_cache_attention_paged_tiles(t, page, block):
+    """Through a shuffled page table, with tiles inside one page (pages of 32 and tiles of 16; 16 and 16) and tiles
+    spanning two pages (16 and 32): the same bits as the contiguous cache. Rows past each sequence's block are NaN
+    in both, so a row read from the wrong page shows. (One table entry per tile instead of one per row was measured
+    1-2% slower on the H200: ``benchmarks/results/paged_h200/kernel_sweep/``; the kernel loads one per row.)"""
+    rng = np.random.default_rng(7 * t + page + block)
+    b, hkv, group, s, d = 3, 2, 4, 128, 32
+    q = jnp.asarray(rng.standard_normal((b, t, hkv * group, d)), jnp.float32)
+    lengths = jnp.asarray([0, s - t, 45], jnp.int32)
+    beyond = jnp.arange(s)[None, None, :, None] >= (lengths + t)[:, None, None, None]
+    k, v = (jnp.where(beyond, jnp.nan, jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32))
+            for _ in range(2))
+    n = s // page
+    perm = rng.permutation(b * n).reshape(b, n).astype(np.int32)
+    pool = lambda x: jnp.zeros((1, hkv, b * n * page, d), x.dtype).at[  # noqa: E731
+        0, :, (perm[:, :, None] * page + np.arange(page)).reshape(b, -1)].set(jnp.swapaxes(x, 1, 2))
+    attend = lambda k, v, **kw: cache_attention(q, k, v, lengths, scale=d ** -0.5, causal=True, block=block,  # noqa
+                                                splits=2, **kw)
+    want = attend(k, v)
+    got = attend(pool(k), pool(v), pages=jnp.asarray(perm), page_size=page)
+    for a, w in zip(got, want):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_cache_attention_deterministic_rows(monkeypatch, paged):
     """The deterministic form: a query row's output and lse are the same bits whether it runs alone (T = 1) or as
