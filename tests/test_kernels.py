@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import random_prompts
+from diffspec_jax.kv_quant import quantize
 from diffspec_jax.models.layers import NEG_INF, attention_prefix, rope_cos_sin
 from diffspec_jax.retrieval import head_sum_scores
 from diffspec_jax.working_cache import draft_attention_reference, gather_rope_write_reference
@@ -176,12 +177,13 @@ def test_cache_attention_paged_tiles(t, page, block):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
 
 
-@pytest.mark.parametrize("paged", [False, True])
-def test_cache_attention_deterministic_rows(monkeypatch, paged):
+@pytest.mark.parametrize("paged, fp8", [(False, False), (True, False), (False, True)])
+def test_cache_attention_deterministic_rows(monkeypatch, paged, fp8):
     """The deterministic form: a query row's output and lse are the same bits whether it runs alone (T = 1) or as
     any row j of a chain block of K + 1 = 5 that starts j rows earlier, over a cache read directly or through a
-    shuffled page table; and they match the reference. Tiles of 16 and splits of 32 rows (patched down from the
-    GPU sizes), so rows cross tile and split edges at fresh random positions; bfloat16, as served."""
+    shuffled page table, or over 8-bit rows (float16 operands, normalised per row and tile); and they match the
+    reference. Tiles of 16 and splits of 32 rows (patched down from the GPU sizes), so rows cross tile and split
+    edges at fresh random positions; bfloat16, as served."""
     import pallas_kernels.cache_attention as ca
 
     monkeypatch.setattr(ca, "DETERMINISTIC_BLOCK", 16)
@@ -198,6 +200,10 @@ def test_cache_attention_deterministic_rows(monkeypatch, paged):
         pool = lambda x: jnp.zeros((1, hkv, b * n * page, d), x.dtype).at[  # noqa: E731
             0, :, (perm[:, :, None] * page + np.arange(page)).reshape(b, -1)].set(jnp.swapaxes(x, 1, 2))
         k, v, extra = pool(k), pool(v), dict(pages=jnp.asarray(perm), page_size=page)
+    rows = (k, v)
+    if fp8:  # 8-bit rows with a scale each, as an fp8 cache stores them
+        kq, vq = quantize(k), quantize(v)
+        k, v, rows, extra = kq.values, vq.values, (kq, vq), dict(k_scale=kq.scale, v_scale=vq.scale)
     attend = lambda q, start: cache_attention(q, k, v, start, scale=d ** -0.5, causal=True,  # noqa: E731
                                               deterministic=True, **extra)
     for p in rng.choice(np.arange(k1, s - k1), 6, replace=False):
@@ -208,8 +214,8 @@ def test_cache_attention_deterministic_rows(monkeypatch, paged):
             assert np.array_equal(np.asarray(block[1][:, j]), np.asarray(alone[1][:, 0])), (p, j)
     starts = jnp.asarray([s - k1, 37], jnp.int32)
     out, lse = attend(q_all[:, 40:40 + k1], starts)
-    kv = (k, v) if not paged else tuple(jnp.swapaxes(x[0, :, (perm[:, :, None] * page + np.arange(page))
-                                                          .reshape(b, -1)], 1, 2) for x in (k, v))
+    kv = rows if not paged else tuple(jnp.swapaxes(x[0, :, (perm[:, :, None] * page + np.arange(page))
+                                                        .reshape(b, -1)], 1, 2) for x in (k, v))
     ref = attention_prefix(q_all[:, 40:40 + k1], *kv, starts, d ** -0.5, causal=True)
     close(out, ref[0], jnp.bfloat16)
     close(lse, ref[1], jnp.bfloat16)
