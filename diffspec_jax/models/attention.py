@@ -171,15 +171,14 @@ def flash_prefix_fp8(q, k_buf, v_buf, start, scale, *, pages=None, page_size=0):
     log-sum-exp in a loop that skips segments past every row's prefix. So a prefill chunk runs on cuDNN (which reads
     full-precision operands only) and dequantizes one segment at a time, a temporary the size of the chunk's own
     rows, never the cache. Returns ``(out [B, T, Hq, D], lse float32 [B, T, Hq])``."""
-    b, t = q.shape[:2]
-    reach = k_buf.shape[2] if pages is None else pages.shape[1] * page_size
-    seg = max(t, FP8_PREFIX_SEGMENT)
+    seg = max(q.shape[1], FP8_PREFIX_SEGMENT)
     if pages is not None:
         seg = -(-seg // page_size) * page_size
         per = seg // page_size
         n = -(-pages.shape[1] // per)
         table = jnp.pad(pages, ((0, 0), (0, n * per - pages.shape[1])))  # past every prefix: never visible
     else:
+        reach = k_buf.shape[2]
         n = -(-reach // seg)
     start = start.astype(jnp.int32)
 
