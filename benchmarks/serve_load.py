@@ -1033,6 +1033,9 @@ def parser() -> argparse.ArgumentParser:
                      help="max_model_len of both servers; the fixed-slots run gets pool tokens // this many slots")
     cap.add_argument("--capacity-seqs", type=int, default=64, help="sequences the paged server decodes together")
     cap.add_argument("--capacity-policy", default="diffspec", help=f"of {POLICIES}")
+    cap.add_argument("--capacity-kinds", default="paged,fixed",
+                     help="servers to run, of paged,fixed (fixed slots reuse the paged run's pool; 'paged' alone "
+                          "for comparing --kv-cache-dtype runs)")
     pres = ap.add_argument_group("workload pressure")
     pres.add_argument("--pressure-requests", type=int, default=12, help="requests, all sent at once")
     pres.add_argument("--pressure-prompt-lens", default="4096,8192,16384",
@@ -1106,8 +1109,11 @@ def _jobs(args, ap) -> list[tuple[str, object]]:
                 paged = next((r for r in runs if r.get("workload") == "capacity" and r.get("kind") == "paged"), {})
                 return run_capacity("fixed", args, limit, paged.get("ready"))
 
-            jobs += [("capacity paged", lambda limit, runs: run_capacity("paged", args, limit, None)),
-                     ("capacity fixed slots", fixed)]
+            kinds = [k.strip() for k in args.capacity_kinds.split(",") if k.strip()]
+            if not kinds or set(kinds) - {"paged", "fixed"} or kinds[0] != "paged":
+                ap.error(f"--capacity-kinds takes paged[,fixed], got {args.capacity_kinds!r}")
+            jobs.append(("capacity paged", lambda limit, runs: run_capacity("paged", args, limit, None)))
+            jobs += [("capacity fixed slots", fixed)] if "fixed" in kinds else []
     return jobs
 
 

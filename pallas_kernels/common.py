@@ -171,10 +171,6 @@ def exponent(x: jax.Array) -> jax.Array:
 HALF_TOP = 8
 
 
-#: the split float8 operands' rows are scaled into [2 ** SPLIT_TOP, 2 ** (SPLIT_TOP + 1)): below e4m3's 448
-SPLIT_TOP = 7
-
-
 def _row_pow2(x: jax.Array, top: int) -> jax.Array:
     """int32 ``e [R]`` per row of float32 ``x [R, N]`` with the row's largest magnitude in ``[2 ** top, 2 ** (top + 1))``
     once divided by ``2 ** e`` (0 for an all-zero row)."""
@@ -190,21 +186,6 @@ def half_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x * pow2(-e)[:, None]).astype(jnp.float16), pow2(e)
 
 
-def split_e4m3(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """float32 ``x`` as two ``float8_e4m3fn`` parts ``hi + lo``: ``hi`` rounds ``x``, ``lo`` rounds what is left, so
-    ``hi + lo`` keeps 8 significant bits (a bfloat16 value exactly) where both are normal."""
-    hi = x.astype(jnp.float8_e4m3fn)
-    return hi, (x - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)
-
-
-def split_rows(x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    """``((hi, lo), 2 ** e [R])``: float32 rows ``x [R, N]`` divided by a power of two per row (largest magnitude
-    in ``[2 ** SPLIT_TOP, 2 ** (SPLIT_TOP + 1))``) and split into two e4m3 parts (:func:`split_e4m3`), for products
-    with 8-bit rows on the float8 tensor cores with no conversion of the rows."""
-    e = _row_pow2(x, SPLIT_TOP)
-    return split_e4m3(x * pow2(-e)[:, None]), pow2(e)
-
-
 def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=None, v_scale=None, q_pow2=None):
     """One key tile of an online softmax, inside a kernel (float32 statistics).
 
@@ -218,10 +199,8 @@ def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=No
         k_scale, v_scale: float32 ``[N]`` per-row scales of 8-bit keys and values (``float8_e4m3fn`` k, v, upcast
             exactly to q's dtype in registers): the logits are ``(q . k) * scale * k_scale`` per key column and
             the value product ``(p * v_scale) @ v`` (``None``: full-precision k, v).
-        q_pow2: float32 ``[R]``, only with a float16 ``q`` from :func:`half_rows`, or a pair of e4m3 parts from
-            :func:`split_rows` (8-bit k, v; the products then run on the float8 tensor cores, each operand of the
-            query and probability rows as two e4m3 parts, the rows as stored): the power of two each query row was
-            divided by. float16 products then run on row-normalised operands: the logits are
+        q_pow2: float32 ``[R]``, only with a float16 ``q`` from :func:`half_rows`: the power of two each query row
+            was divided by. float16 products then run on row-normalised operands: the logits are
             ``(q . k) * q_pow2 * scale * k_scale`` and the probabilities' row ``(p * v_scale)`` enters the value
             product divided by a power of two bounding it (the row's tile maximum ``exp(max logit - m)`` times the
             tile's largest ``v_scale``), multiplied back after it, so no weight overflows float16 or sinks into its
@@ -230,14 +209,9 @@ def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=No
         The updated carry; probabilities are cast to ``v.dtype`` (q's for 8-bit values) for the ``p @ v`` product.
     """
     acc, m, l = carry
-    split = isinstance(q, tuple)  # (hi, lo) e4m3 parts of the query rows: 8-bit rows enter the products as stored
-    if split:
-        logits = (matmul(q[0], k, trans_b=True, precision=precision)
-                  + matmul(q[1], k, trans_b=True, precision=precision)) * scale
-    else:
-        if k_scale is not None:
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-        logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * scale
+    if k_scale is not None:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+    logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * scale
     if q_pow2 is not None:
         logits = logits * q_pow2[:, None]
     if k_scale is not None:
@@ -252,14 +226,8 @@ def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=No
     if q_pow2 is None:
         return acc * corr[:, None] + matmul(pv.astype(v.dtype), v, precision=precision), m_new, l
     bound = jnp.exp(top - m_new) * jnp.max(v_scale)         # >= every entry of the row's pv (0: the row saw nothing)
-    ceiling = SPLIT_TOP + 1 if split else HALF_TOP + 6       # rows land below 2 ** 8 (e4m3) or 2 ** 14 (float16)
-    e = jnp.where(bound > 0, jnp.clip(exponent(bound) + 1 - ceiling, -120, 120), 0)
-    w = pv * pow2(-e)[:, None]
-    if split:
-        hi, lo = split_e4m3(w)
-        part = matmul(hi, v, precision=precision) + matmul(lo, v, precision=precision)
-    else:
-        part = matmul(w.astype(jnp.float16), v, precision=precision)
+    e = jnp.where(bound > 0, jnp.clip(exponent(bound) + 1 - (HALF_TOP + 6), -120, 120), 0)  # rows below 2 ** 14
+    part = matmul((pv * pow2(-e)[:, None]).astype(jnp.float16), v, precision=precision)
     return acc * corr[:, None] + part * pow2(e)[:, None], m_new, l
 
 
