@@ -222,7 +222,9 @@ def attention_tiled(q: jax.Array, k: jax.Array | Fp8Rows, v: jax.Array | Fp8Rows
 
     init = (jnp.full((b, hkv, g, t), NEG_INF, jnp.float32), jnp.zeros((b, hkv, g, t), jnp.float32),
             jnp.zeros((b, hkv, g, t, v.shape[-1]), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, n_tiles, body, init)
+    # tile 0 (every row sees key 0) outside the loop: a loop carry that depends on nothing is one XLA may make for
+    # every layer at a program's start (diffspec_jax.models.attention.flash_prefix_fp8 says how that was measured)
+    m, l, acc = jax.lax.fori_loop(1, n_tiles, body, body(0, init))
     out = acc / l[..., None]
     lse = m + jnp.log(l)
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, hq, v.shape[-1])
