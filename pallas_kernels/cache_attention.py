@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.common import (NEG, call_options, dot_precision, merge_splits, merge_splits_ordered, next_pow2,
-                                   half_rows, online_softmax_step, paged_rows, rows_to_heads, split_rows)
+                                   half_rows, online_softmax_step, paged_rows, rows_to_heads)
 
 #: streaming multiprocessors assumed where the device does not say (the H200's)
 DEFAULT_SMS = 132
@@ -180,8 +180,6 @@ def _kernel(q_ref, k_ref, v_ref, len_ref, *refs, rows, row_blocks, group, steps,
     q_pow2 = None
     if fp8 and upcast == jnp.float16:  # row-normalised float16 operands (common.half_rows), the e4m3 rows exactly
         q, q_pow2 = half_rows(q.astype(jnp.float32))
-    elif fp8 and upcast == jnp.float8_e4m3fn:  # the query rows in two e4m3 parts (common.split_rows): keys as stored
-        q, q_pow2 = split_rows(q.astype(jnp.float32))
     elif fp8:  # the query's dtype: e4m3 rows are exact in bfloat16
         q = q.astype(upcast)
     prefix = plgpu.load(len_ref.at[b])
@@ -251,11 +249,9 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     (the GPU converts e4m3 to float16 in one instruction; the operands are normalised per row by powers of two,
     :func:`pallas_kernels.common.half_rows`, so none overflows float16 or loses bits that bfloat16 would keep;
     H100: 0.71x against 0.79x the bf16 kernel's time with bfloat16 operands at 128K x 1), the query's dtype
-    otherwise (a float32 query keeps float32 products). ``"float8_e4m3fn"`` (experimental): the keys' product takes
-    the 8-bit keys as stored and the query rows as two e4m3 parts (:func:`pallas_kernels.common.split_rows`), the
-    values' product float16 operands as above. (Both products on e4m3 operands, the probabilities split too,
-    measured slower on an H100 and were removed: 0.73x the bf16 kernel at 128K x 1 decode against float16's
-    0.685x, 1.43x in verification; ``benchmarks/results/kv_fp8_h100/kernel_sweep_3.json``.)
+    otherwise (a float32 query keeps float32 products). (float8 products with no upcast, the query and probability
+    rows as two e4m3 parts each, measured slower on an H100 and were removed: 0.73x at 128K x 1 decode, 1.43x in
+    verification; ``benchmarks/results/kv_fp8_h100/kernel_sweep_3.json``.)
 
     Paged caches: ``k``, ``v`` are pools ``[1, Hkv, (N + 1) * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
     sequence b's position p to pool row ``pages[b, p // P] * P + p % P`` (``page_size`` = P, static); the kernel
@@ -286,10 +282,8 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
                          f"got {got}")
     half = jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     upcast = jnp.dtype(fp8_upcast or (jnp.float16 if half else q.dtype))
-    if fp8 and upcast not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn),
-                              jnp.dtype(q.dtype)):
-        raise ValueError(f"cache_attention: fp8_upcast {fp8_upcast!r}: use 'float16', 'bfloat16', 'float8_e4m3fn' "
-                         "or the query's dtype")
+    if fp8 and upcast not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(q.dtype)):
+        raise ValueError(f"cache_attention: fp8_upcast {fp8_upcast!r}: use 'float16', 'bfloat16' or the query's dtype")
     group = hq // hkv
     lengths = lengths.astype(jnp.int32)
     if causal and t == 1 and not deterministic:  # a decode step: its one query sees rows < length + 1, the plain

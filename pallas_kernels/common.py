@@ -171,10 +171,6 @@ def exponent(x: jax.Array) -> jax.Array:
 HALF_TOP = 8
 
 
-#: split query rows are scaled into [2 ** SPLIT_TOP, 2 ** (SPLIT_TOP + 1)) per row: below e4m3's largest (448)
-SPLIT_TOP = 7
-
-
 def _row_pow2(x: jax.Array, top: int) -> jax.Array:
     """int32 ``e [R]`` per row of float32 ``x [R, N]`` with the row's largest magnitude in ``[2 ** top, 2 ** (top + 1))``
     once divided by ``2 ** e`` (0 for an all-zero row)."""
@@ -190,17 +186,6 @@ def half_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x * pow2(-e)[:, None]).astype(jnp.float16), pow2(e)
 
 
-def split_rows(x: jax.Array) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    """``((hi, lo), 2 ** e [R])`` of float32 rows ``x [R, N]``: each row divided by a power of two (its largest
-    magnitude in ``[2 ** SPLIT_TOP, 2 ** (SPLIT_TOP + 1))``) and written as two ``float8_e4m3fn`` parts, ``hi``
-    rounding it and ``lo`` rounding what is left, so ``hi + lo`` keeps 8 significant bits (bfloat16's) where both are
-    normal. For the product of query rows with 8-bit keys as stored (no conversion of the keys)."""
-    e = _row_pow2(x, SPLIT_TOP)
-    y = x * pow2(-e)[:, None]
-    hi = y.astype(jnp.float8_e4m3fn)
-    return (hi, (y - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn)), pow2(e)
-
-
 def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=None, v_scale=None, q_pow2=None):
     """One key tile of an online softmax, inside a kernel (float32 statistics).
 
@@ -214,9 +199,8 @@ def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=No
         k_scale, v_scale: float32 ``[N]`` per-row scales of 8-bit keys and values (``float8_e4m3fn`` k, v, upcast
             exactly to q's dtype in registers): the logits are ``(q . k) * scale * k_scale`` per key column and
             the value product ``(p * v_scale) @ v`` (``None``: full-precision k, v).
-        q_pow2: float32 ``[R]``, only with a float16 ``q`` from :func:`half_rows`, or a pair of e4m3 parts from
-            :func:`split_rows` (8-bit k, v: the keys' product then takes the keys as stored, one product per part,
-            and the values' product float16 operands): the power of two each query row was divided by. float16 products then run on row-normalised operands: the logits are
+        q_pow2: float32 ``[R]``, only with a float16 ``q`` from :func:`half_rows`: the power of two each query row
+            was divided by. float16 products then run on row-normalised operands: the logits are
             ``(q . k) * q_pow2 * scale * k_scale`` and the probabilities' row ``(p * v_scale)`` enters the value
             product divided by a power of two bounding it (the row's tile maximum ``exp(max logit - m)`` times the
             tile's largest ``v_scale``), multiplied back after it, so no weight overflows float16 or sinks into its
@@ -225,14 +209,9 @@ def online_softmax_step(carry, q, k, v, visible, *, scale, precision, k_scale=No
         The updated carry; probabilities are cast to ``v.dtype`` (q's for 8-bit values) for the ``p @ v`` product.
     """
     acc, m, l = carry
-    if isinstance(q, tuple):  # e4m3 parts of the query rows: the 8-bit keys enter their product as stored
-        logits = (matmul(q[0], k, trans_b=True, precision=precision)
-                  + matmul(q[1], k, trans_b=True, precision=precision)) * scale
-        v = v.astype(jnp.float16)
-    else:
-        if k_scale is not None:
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-        logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * scale
+    if k_scale is not None:
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
+    logits = matmul(q.astype(k.dtype), k, trans_b=True, precision=precision) * scale
     if q_pow2 is not None:
         logits = logits * q_pow2[:, None]
     if k_scale is not None:
