@@ -249,9 +249,10 @@ def cache_attention(q, k, v, lengths, *, scale, causal=False, block=None, splits
     (the GPU converts e4m3 to float16 in one instruction; the operands are normalised per row by powers of two,
     :func:`pallas_kernels.common.half_rows`, so none overflows float16 or loses bits that bfloat16 would keep;
     H100: 0.71x against 0.79x the bf16 kernel's time with bfloat16 operands at 128K x 1), the query's dtype
-    otherwise (a float32 query keeps float32 products). (float8 products with no upcast, the query and probability
-    rows as two e4m3 parts each, measured slower on an H100 and were removed: 0.73x at 128K x 1 decode, 1.43x in
-    verification; ``benchmarks/results/kv_fp8_h100/kernel_sweep_3.json``.)
+    otherwise (a float32 query keeps float32 products). (Products on the e4m3 rows as stored, the other operand
+    split into two e4m3 parts, measured slower on an H100 and were removed: both products so, 0.73x the bf16 kernel
+    at 128K x 1 decode and 1.43x in verification against float16's 0.685x and 0.94x; the keys' product alone,
+    0.757x and 1.14x against 0.707x and 0.97x; ``benchmarks/results/kv_fp8_h100/kernel_sweep_3.json``, ``_4``.)
 
     Paged caches: ``k``, ``v`` are pools ``[1, Hkv, (N + 1) * P, D]`` and ``pages`` int32 ``[B, max_pages]`` maps
     sequence b's position p to pool row ``pages[b, p // P] * P + p % P`` (``page_size`` = P, static); the kernel
