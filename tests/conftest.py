@@ -163,6 +163,22 @@ def check_cached_steps(model, cache, seqs, lengths, ref, tol):
         start = start + t
 
 
+def layer_temp_growth(attend, q, bufs, few=4, many=16) -> tuple[int, int]:
+    """How much a program's temporaries grow from ``few`` to ``many`` layers, each ``q = attend(q, k, v) * 1.001``
+    over its own pair of ``bufs`` (XLA's count of the compiled program on this CPU), and the bytes of one float32
+    ``q``: a loop carry that depends on nothing may be made for every layer at a program's start (issue 41)."""
+    import jax
+
+    def temp_bytes(layers):
+        def chain(q, bufs):
+            for i in range(layers):
+                q = (attend(q, bufs[2 * i], bufs[2 * i + 1]) * 1.001).astype(q.dtype)
+            return q
+        return jax.jit(chain).lower(q, bufs[:2 * layers]).compile().memory_analysis().temp_size_in_bytes
+
+    return temp_bytes(many) - temp_bytes(few), q.size * 4
+
+
 def random_prompts(seed, lengths, vocab=256):
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]

@@ -189,19 +189,18 @@ def flash_prefix_fp8(q, k_buf, v_buf, start, scale, *, pages=None, page_size=0):
         cols = jax.lax.dynamic_slice_in_dim(table, i * per, per, axis=1)
         return page_view(buf, cols, page_size)
 
-    def attend(i):
-        k, v = (dequantize(rows(buf, i), q.dtype) for buf in (k_buf, v_buf))
-        return flash_prefix(q, k, v, jnp.clip(start - i * seg, 0, seg), scale)
-
     def part(carry, i):
-        merge = lambda c: merge_attention(c[0], c[1], *attend(i))  # noqa: E731
+        def merge(c):
+            k, v = (dequantize(rows(buf, i), q.dtype) for buf in (k_buf, v_buf))
+            return merge_attention(c[0], c[1], *flash_prefix(q, k, v, jnp.clip(start - i * seg, 0, seg), scale))
         return jax.lax.cond(jnp.any(start > i * seg), merge, lambda c: c, carry), None
 
-    # The loop starts from segment 0's result, not from zeros: a zero-filled float32 [B, T, Hq, D] carry depends on
-    # nothing, so XLA's scheduler materialized every layer's at the program's start (29 x 512 MB at a 32K chunk,
-    # measured on an H100); segment 0's depends on the layer's queries.
-    out, lse = attend(0)
-    (out, lse), _ = jax.lax.scan(part, (out.astype(jnp.float32), lse), jnp.arange(1, n, dtype=jnp.int32))
+    # The running output starts as q * 0, not as zeros: a loop carry that depends on nothing is one XLA may make for
+    # every layer at the program's start (29 x 512 MB at a 32K chunk on an H100: issue 41's 128K x 1 fp8 run peaked
+    # at 46.9 GB against bf16's 40.7). (A query row holding inf or NaN attends to NaN either way.) Every segment
+    # stays inside the loop: one dequantized outside it depends on the buffers alone, and could be hoisted likewise.
+    init = (q.astype(jnp.float32) * 0, jnp.full(q.shape[:3], NEG_INF, jnp.float32))
+    (out, lse), _ = jax.lax.scan(part, init, jnp.arange(n, dtype=jnp.int32))
     return out.astype(q.dtype), lse
 
 
