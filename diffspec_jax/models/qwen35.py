@@ -313,7 +313,10 @@ def _unit_lower_solve(a: jax.Array, b: jax.Array) -> jax.Array:
         xi = jax.lax.dynamic_slice_in_dim(b, i, 1, axis=-2) - jnp.einsum("...ij,...jd->...id", row, x)
         return jax.lax.dynamic_update_slice_in_dim(x, xi, i, axis=-2)
 
-    return jax.lax.fori_loop(0, a.shape[-1], body, jnp.zeros_like(b))
+    # starting from b itself: row i reads rows j < i only (a is zero elsewhere), all solved by then; and a carry
+    # computed from the layer's inputs, unlike zeros, cannot be made for every layer at a program's start
+    # (diffspec_jax.models.attention.flash_prefix_fp8 says how that was measured)
+    return jax.lax.fori_loop(0, a.shape[-1], body, b)
 
 
 @struct.dataclass
