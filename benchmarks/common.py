@@ -69,6 +69,26 @@ def time_fn(fn: Callable, inputs: Sequence[tuple], *, repeats: int = 15, inner: 
     return {"median_s": med, "cv": cv, "repeats": repeats, "inner": inner}
 
 
+def chained(fn: Callable, inner: int = 20) -> Callable:
+    """A jitted program of ``inner`` chained calls ``fn(q, *args) -> (out, ...)``: each call's query depends on the
+    last output, so none is elided or overlapped (a kernel timed in a loop on the device, no host gap)."""
+    def run(q, *a):
+        def body(i, acc):
+            o, _ = fn(q + acc.astype(q.dtype) * 0, *a)
+            return acc + o[0, 0, 0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, inner, body, jnp.zeros((), jnp.float32))
+
+    return jax.jit(run)
+
+
+def per_call_s(program: Callable, *args, inner: int = 20) -> float:
+    """Seconds per call of a :func:`chained` program of ``inner`` calls (one warm run, then one timed)."""
+    jax.block_until_ready(program(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(program(*args))
+    return (time.perf_counter() - t) / inner
+
+
 def time_device(step: Callable, carry: Any, *, iters: int = 50, repeats: int = 7) -> dict[str, float]:
     """Device seconds per call of ``step`` without host dispatch: ``iters`` calls run inside one jitted
     ``fori_loop`` (``carry = step(carry)``; the step must make each call depend on the carry so nothing is

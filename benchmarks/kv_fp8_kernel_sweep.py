@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import (add_output_arguments, add_plot_only_argument, claim_outputs, environment, redraw,
-                               save_figure, write_json)
+from benchmarks.common import (add_output_arguments, add_plot_only_argument, chained, claim_outputs, environment,
+                               per_call_s, redraw, save_figure, write_json)
 from diffspec_jax.kv_quant import quantize
 from pallas_kernels.cache_attention import cache_attention
 
@@ -40,24 +40,6 @@ VARIANTS = [(u, *t) for u in ("bfloat16", "float16") for t in
 #: ``--variants short``: the first sweep's (H100) best tilings, each upcast
 SHORT = [("bfloat16", None, None, None), ("bfloat16", 128, 3, 4), ("float16", None, None, None),
          ("float16", 128, 3, 4), ("float16", 128, 2, 4), ("float16", 64, 3, 4), ("float16", 64, 2, 4)]
-
-
-def looped(fn):
-    """``INNER`` chained calls in one program (each call's query depends on the last output, so none is elided)."""
-    def run(q, *a):
-        def body(i, acc):
-            o, _ = fn(q + acc.astype(q.dtype) * 0, *a)
-            return acc + o[0, 0, 0, 0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, INNER, body, jnp.zeros((), jnp.float32))
-
-    return jax.jit(run)
-
-
-def timed(f, *a) -> float:
-    jax.block_until_ready(f(*a))
-    t = time.perf_counter()
-    jax.block_until_ready(f(*a))
-    return (time.perf_counter() - t) / INNER
 
 
 def name(v) -> str:
@@ -138,7 +120,7 @@ def main(argv=None) -> int:
                 errors[n] = "time budget"
                 continue
             try:
-                timed_fn = looped(f)
+                timed_fn = chained(f, INNER)
                 jax.block_until_ready(timed_fn(q, *a))
                 outputs[n] = np.asarray(jax.jit(f)(q, *a)[0], np.float32) if n != "bf16" else None
                 ready[n] = (timed_fn, a)
@@ -150,7 +132,7 @@ def main(argv=None) -> int:
         times = {n: [] for n in ready}
         for _ in range(ROUNDS):
             for n, (f, a) in ready.items():
-                times[n].append(timed(f, q, *a))
+                times[n].append(per_call_s(f, q, *a, inner=INNER))
         med = {n: float(np.median(x)) for n, x in times.items()}
         base = med.get("bf16")
         rows = b * hkv * ctx

@@ -9,22 +9,11 @@ Results of issue 37: benchmarks/results/paged_h200/kernel_sweep/ (docs/serving.m
 """
 import json, os, time
 import jax, jax.numpy as jnp, numpy as np
+from benchmarks.common import chained, per_call_s
 from pallas_kernels.cache_attention import cache_attention
 
 OUT = os.environ.get("OUT", "."); BUDGET = float(os.environ.get("SWEEP_S", "150")); t0 = time.perf_counter()
 out = {"device": str(jax.devices()[0]), "jax": jax.__version__, "cells": []}
-N = 20
-
-def looped(fn):
-    def run(q, *a):
-        def body(i, acc):
-            o, _ = fn(q + acc.astype(q.dtype) * 0, *a)
-            return acc + o[0, 0, 0, 0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, N, body, jnp.zeros((), jnp.float32))
-    return jax.jit(run)
-
-def timed(f, *a):
-    jax.block_until_ready(f(*a)); t = time.perf_counter(); jax.block_until_ready(f(*a)); return (time.perf_counter() - t) / N
 
 rng = np.random.default_rng(0)
 hq, hkv, d = (32, 8, 128) if not os.environ.get("TINY") else (4, 2, 16)
@@ -43,10 +32,10 @@ for ctx, b in CELLS:
             if time.perf_counter() - t0 > BUDGET:
                 break
             q = jax.random.normal(jax.random.PRNGKey(3), (b, t, hq, d), jnp.bfloat16)
-            variants = {"contiguous": (looped(lambda q, k, v, l: cache_attention(q, k, v, l, scale=0.088, causal=True)), (k, v, lengths))}
+            variants = {"contiguous": (chained(lambda q, k, v, l: cache_attention(q, k, v, l, scale=0.088, causal=True)), (k, v, lengths))}
             tilings = [(None, None)] + ([(64, 3), (64, 4), (128, 2), (128, 3)] if t == 5 else [(64, 3), (128, 2)])
             for blk, st in tilings:
-                variants[f"paged b{blk} s{st}"] = (looped(lambda q, k, v, l, pg, blk=blk, st=st: cache_attention(
+                variants[f"paged b{blk} s{st}"] = (chained(lambda q, k, v, l, pg, blk=blk, st=st: cache_attention(
                     q, k, v, l, scale=0.088, causal=True, pages=pg, page_size=P, block=blk, num_stages=st)),
                     (kp, vp, lengths, pages))
             times = {n: [] for n in variants}
@@ -54,7 +43,7 @@ for ctx, b in CELLS:
                 jax.block_until_ready(f(q, *a))
             for rep in range(7):
                 for n, (f, a) in variants.items():
-                    times[n].append(timed(f, q, *a))
+                    times[n].append(per_call_s(f, q, *a))
             base = float(np.median(times["contiguous"]))
             cell = {"context": ctx, "batch": b, "t": t, "page": P, "contiguous_us": base * 1e6,
                     "ratios": {n: float(np.median(x)) / base for n, x in times.items() if n != "contiguous"}}

@@ -171,18 +171,12 @@ def exponent(x: jax.Array) -> jax.Array:
 HALF_TOP = 8
 
 
-def _row_pow2(x: jax.Array, top: int) -> jax.Array:
-    """int32 ``e [R]`` per row of float32 ``x [R, N]`` with the row's largest magnitude in ``[2 ** top, 2 ** (top + 1))``
-    once divided by ``2 ** e`` (0 for an all-zero row)."""
-    m = jnp.max(jnp.abs(x), axis=1)
-    return jnp.where(m > 0, jnp.clip(exponent(m) - top, -120, 120), 0)
-
-
 def half_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(x * 2 ** -e as float16, 2 ** e [R] float32)`` of float32 rows ``x [R, N]`` with ``e`` per row such that
     the row's largest magnitude lands in ``[2 ** HALF_TOP, 2 ** (HALF_TOP + 1))`` (power-of-two scalings: exact in
     float32; all-zero rows keep e = 0)."""
-    e = _row_pow2(x, HALF_TOP)
+    m = jnp.max(jnp.abs(x), axis=1)
+    e = jnp.where(m > 0, jnp.clip(exponent(m) - HALF_TOP, -120, 120), 0)
     return (x * pow2(-e)[:, None]).astype(jnp.float16), pow2(e)
 
 
