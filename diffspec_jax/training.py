@@ -82,13 +82,18 @@ class TokenStream:
             (its unigram distribution; default 0: verbatim). A model that has memorised its training text predicts
             a verbatim repeat from memory and learns no copying from it; replaced tokens are predictable only by
             copying.
+        recall_random: the share of recall spans (0 to 1, default 0) whose whole passage is first replaced by token
+            ids drawn uniformly from ``[1, vocab_size)``, as a copy probe's random passages are: text no memory or
+            language prior predicts, so the only way to predict its copy is to find the passage and read it (the
+            induction a real LLM does on identifiers, hashes and numbers it has seen once).
+        vocab_size: the tokenizer's vocabulary (required when ``recall_random`` > 0).
     """
 
     def __init__(self, documents: list[np.ndarray], eos_id: int, recall_fraction: float = 0.0,
                  recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.0,
-                 recall_distance: float = 0.0):
+                 recall_distance: float = 0.0, recall_random: float = 0.0, vocab_size: int | None = None):
         for name, value in (("recall_fraction", recall_fraction), ("recall_distance", recall_distance),
-                            ("recall_noise", recall_noise)):
+                            ("recall_noise", recall_noise), ("recall_random", recall_random)):
             check_real(value, name)
         if (not isinstance(recall_span, (tuple, list)) or len(recall_span) != 2
                 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in recall_span)):
@@ -100,6 +105,11 @@ class TokenStream:
             raise ConfigError(f"recall_distance must be in [0, 0.75] (a share of the window), got {recall_distance}")
         if not 0.0 <= recall_noise <= 1.0:
             raise ConfigError(f"recall_noise must be in [0, 1], got {recall_noise}")
+        if not 0.0 <= recall_random <= 1.0:
+            raise ConfigError(f"recall_random must be in [0, 1], got {recall_random}")
+        check_int(vocab_size, "vocab_size", min=2, none_ok=True)
+        if recall_random > 0 and vocab_size is None:
+            raise ConfigError("recall_random > 0 draws token ids from the vocabulary: give vocab_size")
         if not 1 <= recall_span[0] <= recall_span[1]:
             raise ConfigError(f"recall_span must be (shortest, longest) with 1 <= shortest <= longest, got "
                               f"{recall_span}")
@@ -111,6 +121,8 @@ class TokenStream:
         self.recall_span = (int(recall_span[0]), int(recall_span[1]))
         self.recall_noise = float(recall_noise)
         self.recall_distance = float(recall_distance)
+        self.recall_random = float(recall_random)
+        self.vocab_size = vocab_size
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -128,6 +140,8 @@ class TokenStream:
                         if rng.random() < self.recall_fraction else None)
                 if span is not None:
                     src, dst, n = span
+                    if self.recall_random > 0 and rng.random() < self.recall_random:
+                        row[src:src + n] = rng.integers(1, self.vocab_size, n)
                     noisy = src + np.flatnonzero(rng.random(n) < self.recall_noise)
                     row[noisy] = self.tokens[rng.integers(0, len(self.tokens), len(noisy))]
                     row[dst:dst + n] = row[src:src + n]
@@ -149,6 +163,72 @@ def recall_span_of(rng: np.random.Generator, length: int, span: tuple[int, int],
     src = int(rng.integers(0, length - n - gap + 1))
     dst = int(rng.integers(src + gap, length - n + 1))
     return src, dst, n
+
+
+@dataclass(frozen=True)
+class LoopWindows:
+    """Windows of ``stream`` beside a few **loop rows**, for training a target out of greedy loops (the DITTO
+    objective of Xu et al., "Learning to Break the Loop", NeurIPS 2022, in our own form).
+
+    A small model that copies well also repeats itself when decoding greedily: once a line recurs, copying it again
+    looks likelier each time. Each loop row is a plain window of ``loop_len`` tokens whose tail, from a random place
+    in its second half, repeats the ``period`` tokens before that place over and over (``period`` drawn from
+    ``loop_span``). :func:`loop_loss` then asks the model to give each repeated token ``decay`` times the
+    probability it gave the same token one period earlier, so every further repetition is less likely than the one
+    before. Far-back copies (recall spans) are not loops: their source is thousands of tokens away, not one period.
+
+    ``batch`` returns ``{"tokens": [batch, length], "loop": [rows, loop_len], "period": [rows, loop_len]}``
+    (``period[r, t]`` = the period where token t repeats token t - period, else 0), a deterministic function of
+    (seed, step) like :meth:`TokenStream.batch`.
+    """
+
+    stream: TokenStream
+    rows: int = 4
+    loop_len: int = 1024
+    loop_span: tuple[int, int] = (8, 64)
+    decay: float = 0.5
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_int(self.rows, "loop rows", min=1)
+        check_int(self.loop_len, "loop_len", min=4)
+        if (not isinstance(self.loop_span, (tuple, list)) or len(self.loop_span) != 2
+                or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in self.loop_span)
+                or not 1 <= self.loop_span[0] <= self.loop_span[1] or 4 * self.loop_span[1] > self.loop_len):
+            raise ConfigError(f"loop_span must be (shortest, longest) periods with 1 <= shortest <= longest <= "
+                              f"loop_len / 4 = {self.loop_len // 4}, got {self.loop_span!r}")
+        check_real(self.decay, "loop decay", min=0.0, max=1.0)
+        check_real(self.weight, "loop weight", min=0.0)
+
+    def batch(self, step: int, batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+        loop = self.stream.batch(step, self.rows, self.loop_len, seed=seed + 7919)  # other windows than tokens'
+        period = np.zeros_like(loop)
+        rng = np.random.default_rng([seed, step, 1])
+        for row, per in zip(loop, period):
+            n = int(rng.integers(self.loop_span[0], self.loop_span[1] + 1))
+            start = int(rng.integers(max(n, self.loop_len // 2), self.loop_len - 2 * n + 1))
+            tail = np.resize(row[start - n:start], self.loop_len - start)  # the period before, tiled
+            row[start:] = tail
+            per[start:] = n
+        return {"tokens": self.stream.batch(step, batch, length, seed), "loop": loop, "period": period}
+
+
+def loop_loss(logp, tokens, period, decay: float):
+    """The loop penalty of :class:`LoopWindows`: mean over repeated tokens of ``-log(1 - |p_t - decay * p_{t-n}|)``.
+
+    Args:
+        logp: float ``[R, T - 1, V]`` log-probabilities the model gives each next token of ``tokens``.
+        tokens, period: int ``[R, T]`` (period n > 0 where token t repeats token t - n).
+    Returns:
+        the scalar penalty (0 when no token repeats); ``p_{t-n}``, the earlier probability, is held fixed.
+    """
+    p = jnp.exp(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0])  # [R, T - 1]: p(token t + 1)
+    n = period[:, 1:]
+    t = jnp.arange(p.shape[1])[None, :]
+    earlier = jax.lax.stop_gradient(jnp.take_along_axis(p, jnp.maximum(t - n, 0), axis=1))
+    mask = (n > 0) & (t - n >= 0)
+    term = -jnp.log(jnp.clip(1.0 - jnp.abs(p - decay * earlier), 1e-6, 1.0))
+    return jnp.sum(jnp.where(mask, term, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
 
 @struct.dataclass
@@ -226,7 +306,8 @@ def train_loop(loss_fn: Callable, params: Any, stream: TokenStream, *, steps: in
                optim: OptimConfig, frozen: Any = None, ckpt_dir: str | Path | None = None, ckpt_every: int = 200,
                log_every: int = 20, seed: int = 0, eval_fn: Callable | None = None, eval_every: int = 0,
                progress: bool = True) -> tuple[Any, list[dict]]:
-    """Minimise ``loss_fn(params, frozen, tokens [batch, length]) -> (loss, metrics dict)`` with AdamW.
+    """Minimise ``loss_fn(params, frozen, tokens [batch, length]) -> (loss, metrics dict)`` with AdamW (``tokens``:
+    whatever ``stream.batch`` returns, an array or a pytree of arrays such as :class:`LoopWindows`' dict).
 
     ``frozen`` (e.g. a frozen target's params) is passed to the jitted step as an argument, never captured.
 
@@ -262,7 +343,8 @@ def train_loop(loss_fn: Callable, params: Any, stream: TokenStream, *, steps: in
         bar = tqdm(total=steps, initial=start, unit="step", leave=False)
     t0 = time.perf_counter()
     for step in range(start, steps):
-        state, metrics = update(state, frozen, jnp.asarray(stream.batch(step, batch, length, seed)))
+        state, metrics = update(state, frozen, jax.tree_util.tree_map(jnp.asarray,
+                                                                     stream.batch(step, batch, length, seed)))
         if bar is not None:
             bar.update(1)
         last = step + 1 == steps
@@ -289,22 +371,39 @@ def cast_floats(tree: Any, dtype) -> Any:
     return jax.tree_util.tree_map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
-def lm_loss(config: ModelConfig, params, tokens, *, attention: str = "dense", compute_dtype=jnp.bfloat16):
-    """Mean next-token cross-entropy of ``tokens [B, T]`` (float32 master params cast to ``compute_dtype``)."""
+def next_logp(config: ModelConfig, params, tokens, *, attention: str = "dense", compute_dtype=jnp.bfloat16):
+    """float32 log-probabilities ``[B, T - 1, V]`` of each next token of ``tokens [B, T]`` (float32 master params
+    cast to ``compute_dtype``)."""
     logits = family(config).forward(config, cast_floats(params, compute_dtype), tokens[:, :-1], attention=attention)
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def lm_loss(config: ModelConfig, params, tokens, *, attention: str = "dense", compute_dtype=jnp.bfloat16,
+            loops: LoopWindows | None = None):
+    """Mean next-token cross-entropy of ``tokens [B, T]``; with ``loops``, ``tokens`` is a :class:`LoopWindows`
+    batch and ``loops.weight`` x :func:`loop_loss` of its loop rows is added."""
+    batch = tokens
+    tokens = batch["tokens"] if loops is not None else batch
+    logp = next_logp(config, params, tokens, attention=attention, compute_dtype=compute_dtype)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     loss = jnp.mean(nll)
-    return loss, {"perplexity": jnp.exp(loss)}
+    metrics = {"perplexity": jnp.exp(loss)}
+    if loops is None:
+        return loss, metrics
+    penalty = loop_loss(next_logp(config, params, batch["loop"], attention=attention, compute_dtype=compute_dtype),
+                        batch["loop"], batch["period"], loops.decay)
+    return loss + loops.weight * penalty, {**metrics, "loop_loss": penalty}
 
 
 def train_target(config: ModelConfig, stream: TokenStream, *, steps: int, batch: int, seq_len: int,
                  optim: OptimConfig | None = None, ckpt_dir: str | Path | None = None, seed: int = 0,
                  attention: str = "dense", compute_dtype=jnp.bfloat16, init_scale: float | None = None,
                  eval_stream: TokenStream | None = None, eval_every: int = 0, log_every: int = 20,
-                 progress: bool = True, params: dict | None = None) -> tuple[dict, list[dict]]:
+                 progress: bool = True, params: dict | None = None,
+                 loops: LoopWindows | None = None) -> tuple[dict, list[dict]]:
     """Train a Llama-architecture target on ``stream`` windows of ``seq_len + 1`` tokens, from scratch or from
-    ``params`` (float32, e.g. an earlier phase on shorter windows).
+    ``params`` (float32, e.g. an earlier phase on shorter windows); with ``loops`` (a :class:`LoopWindows` over
+    ``stream``), its loop rows are trained out of repeating themselves beside them.
 
     Returns float32 params (export with :func:`checkpoints_tools.hf.save_hf`) and the training history.
     """
@@ -316,13 +415,18 @@ def train_target(config: ModelConfig, stream: TokenStream, *, steps: int, batch:
         params = family(config).init_params(config, seed=seed, dtype=jnp.float32, scale=scale)
         params = jax.tree_util.tree_map(
             lambda p: jnp.ones_like(p) if p.ndim == 1 else p, params)  # norm weights start at 1 for training
-    loss_fn = lambda p, _, toks: lm_loss(config, p, toks, attention=attention, compute_dtype=compute_dtype)  # noqa
+    if loops is not None and loops.stream is not stream:
+        raise ConfigError("loops must draw its windows from the stream being trained on")
+    loss_fn = lambda p, _, toks: lm_loss(config, p, toks, attention=attention, compute_dtype=compute_dtype,  # noqa
+                                         loops=loops)
+    eval_loss_fn = lambda p, toks: lm_loss(config, p, toks, attention=attention,  # noqa: E731
+                                           compute_dtype=compute_dtype)[0]
 
     eval_fn = None
     if eval_stream is not None and eval_every:
         held = jnp.asarray(eval_stream.batch(0, batch, seq_len + 1, seed=seed + 1))
-        eval_loss = jax.jit(lambda p: loss_fn(p, None, held)[0])
+        eval_loss = jax.jit(lambda p: eval_loss_fn(p, held))
         eval_fn = lambda p: {"eval_loss": float(eval_loss(p))}  # noqa: E731
-    return train_loop(loss_fn, params, stream, steps=steps, batch=batch, length=seq_len + 1, optim=optim,
+    return train_loop(loss_fn, params, loops or stream, steps=steps, batch=batch, length=seq_len + 1, optim=optim,
                       ckpt_dir=ckpt_dir, seed=seed, eval_fn=eval_fn, eval_every=eval_every, log_every=log_every,
                       progress=progress)

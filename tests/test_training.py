@@ -285,6 +285,17 @@ def test_recall_spans_copy_a_passage_later_in_the_window():
         src, dst = changed[0], changed[-16]
         assert len(changed) == 32 and np.array_equal(copied[src:src + 16], copied[dst:dst + 16])
         assert copied[src:src + 16].tobytes() not in row.tobytes()
+    rand = TokenStream(docs, 0, recall_fraction=1.0, recall_span=(64, 64), recall_random=0.5, vocab_size=7)
+    kinds = []
+    for row, copied in zip(plain.batch(4, 64, 400, seed=2), rand.batch(4, 64, 400, seed=2)):
+        changed = np.flatnonzero(row != copied)
+        dst = changed[-1] - 63  # the copy ends the changes; a random passage also changed its source
+        passage = copied[dst:dst + 64]
+        assert copied[:dst].tobytes().find(passage.tobytes()) >= 0  # its source is earlier in the window
+        kinds.append(bool(passage.max() < 7))  # drawn from [1, 7): the stream's ids (1..50000) almost never are
+        if kinds[-1]:
+            assert passage.min() >= 1 and len(changed) > 64  # source and copy both rewritten
+    assert 16 < sum(kinds) < 48  # about half the spans random
 
 
 def test_recall_span_bounds_and_config_errors():
@@ -306,7 +317,8 @@ def test_recall_span_bounds_and_config_errors():
     assert (src, dst, n) == (0, 750, 250)
     docs = [np.arange(1, 100, dtype=np.int32)]
     for kw in (dict(recall_fraction=1.5), dict(recall_noise=-0.1), dict(recall_span=(0, 4)),
-               dict(recall_span=(9, 4)), dict(recall_distance=0.8), dict(recall_distance=-0.1)):
+               dict(recall_span=(9, 4)), dict(recall_distance=0.8), dict(recall_distance=-0.1),
+               dict(recall_random=0.5), dict(recall_random=1.5, vocab_size=10), dict(recall_random=0.5, vocab_size=1)):
         with pytest.raises(ConfigError):
             TokenStream(docs, 0, **kw)
 
@@ -329,6 +341,52 @@ def test_train_target_continues_from_given_params(corpus_stream):
     same = jax.tree_util.tree_map(lambda x, y: bool(np.array_equal(x, y)), kept, start)
     assert all(jax.tree_util.tree_leaves(same))
     assert not np.array_equal(fresh["layers"][0]["wq"], start["layers"][0]["wq"])
+
+
+def test_loop_rows_repeat_their_period_and_the_penalty_matches_numpy(corpus_stream):
+    """LoopWindows: each loop row's tail repeats the period before it; loop_loss against a NumPy loop; and one
+    training step carries it (history's loop_loss)."""
+    from checkpoints_tools.make_tiny import tiny_config
+    from diffspec_jax.errors import ConfigError
+    from diffspec_jax.training import LoopWindows, loop_loss
+
+    tok, stream, _ = corpus_stream
+    loops = LoopWindows(stream, rows=5, loop_len=96, loop_span=(3, 11), decay=0.5)
+    b = loops.batch(4, 2, 40, seed=3)
+    assert np.array_equal(b["tokens"], stream.batch(4, 2, 40, seed=3))
+    assert all(np.array_equal(v, loops.batch(4, 2, 40, seed=3)[k]) for k, v in b.items())  # (seed, step) decides
+    periods = set()
+    for row, per in zip(b["loop"], b["period"]):
+        t = np.flatnonzero(per)
+        n = int(per[t[0]])
+        periods.add(n)
+        assert 3 <= n <= 11 and t[0] >= 48 and np.array_equal(t, np.arange(t[0], 96)) and set(per[t]) == {n}
+        assert np.array_equal(row[t], row[t - n])  # every marked token repeats the one a period earlier
+    assert len(periods) > 1
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 3, (5, 95, len(tok)))
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want, count = 0.0, 0
+    for r in range(5):
+        for i in range(95):  # prediction i is of token i + 1
+            n = b["period"][r, i + 1]
+            if n and i - n >= 0:
+                p_now = np.exp(logp[r, i, b["loop"][r, i + 1]])
+                p_then = np.exp(logp[r, i - n, b["loop"][r, i + 1 - n]])
+                want += -np.log(max(1 - abs(p_now - 0.5 * p_then), 1e-6))
+                count += 1
+    got = float(loop_loss(jnp.asarray(logp, jnp.float32), jnp.asarray(b["loop"]), jnp.asarray(b["period"]), 0.5))
+    assert count > 0 and got == pytest.approx(want / count, rel=1e-4)
+    cfg = tiny_config("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    _, hist = train_target(cfg, stream, steps=2, batch=2, seq_len=32, progress=False, log_every=1,
+                           loops=LoopWindows(stream, rows=2, loop_len=64, loop_span=(4, 8)))
+    assert all(row["loop_loss"] > 0 for row in hist)
+    with pytest.raises(ConfigError, match="loop_span"):
+        LoopWindows(stream, loop_len=64, loop_span=(8, 17))
+    with pytest.raises(ConfigError, match="the stream being trained on"):
+        train_target(cfg, stream, steps=1, batch=1, seq_len=16, progress=False,
+                     loops=LoopWindows(TokenStream([np.arange(1, 99, dtype=np.int32)], 0), loop_len=16,
+                                       loop_span=(1, 4)))
 
 
 def test_build_curriculum_option():

@@ -59,7 +59,7 @@ from diffspec_jax.errors import CheckpointError, ConfigError
 from diffspec_jax.outdir import OutputDir
 from diffspec_jax.target import TargetModel, load_target
 from diffspec_jax.train_draft import export_draft, train_draft
-from diffspec_jax.training import OptimConfig, TokenStream, train_target
+from diffspec_jax.training import LoopWindows, OptimConfig, TokenStream, train_target
 from diffspec_jax.validation import ArgumentParser, check_choice, check_int, run_main
 
 #: the pair's chat template (written as ``target/chat_template.jinja``): the target is a small model of Python
@@ -207,7 +207,13 @@ def model_card_markdown(card: dict) -> str:
            f"{t['recall_span'][0]}-{t['recall_span'][1]} tokens ({t['recall_noise']:.0%} of its tokens replaced "
            "first) to a later place in the same window"
            + (f", at least {t['recall_distance']:.0%} of the window after it" if t.get("recall_distance") else "")
+           + (f"; {t['recall_random']:.0%} of the passages are uniform random token ids" if t.get("recall_random")
+              else "")
            + "."] if t.get("recall_fraction") else []),
+        *([f"- Loop rows: {t['loops']['rows']} windows of {t['loops']['loop_len']} tokens per step whose tail repeats "
+           f"a line of {t['loops']['span'][0]}-{t['loops']['span'][1]} tokens; each repetition is trained to "
+           f"{t['loops']['decay']:g}x the probability of the one before (weight {t['loops']['weight']:g}), against "
+           "greedy loops."] if t.get("loops") else []),
         f"- sha256 of the training text {d['train_sha256']}, of the held-out text {d['held_out_sha256']}; "
         "file lists in `corpus_files.json`.",
         f"- Tokenizer: byte-level BPE, vocabulary {card['tokenizer']['vocab_size']} (`target/tokenizer.json`).", "",
@@ -278,6 +284,14 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--recall-distance", type=float, default=0.0,
                     help="shortest distance from a recall passage to its copy, as a share of the window (0-0.75)")
     ap.add_argument("--recall-noise", type=float, default=0.0, help="share of a recall passage's tokens replaced")
+    ap.add_argument("--recall-random", type=float, default=0.0,
+                    help="share of recall passages made of uniform random token ids (copyable only by reading them)")
+    ap.add_argument("--loop-rows", type=int, default=0,
+                    help="loop rows per target step, trained out of greedy repetition (0: off; LoopWindows)")
+    ap.add_argument("--loop-len", type=int, default=1024, help="tokens per loop row")
+    ap.add_argument("--loop-decay", type=float, default=0.5,
+                    help="each repetition's probability over the one before it, as the loop rows teach")
+    ap.add_argument("--loop-weight", type=float, default=1.0, help="weight of the loop penalty beside the LM loss")
     ap.add_argument("--draft-steps", type=int, default=800)
     ap.add_argument("--draft-batch", type=int, default=8)
     ap.add_argument("--draft-seq-len", type=int, default=2048)
@@ -304,7 +318,11 @@ def check_settings(args) -> tuple[list[int], list[str]]:
     """Every setting of the build, checked before anything is read or written (a :class:`ConfigError` naming the
     first bad one). Returns the evaluation contexts and workloads."""
     TokenStream([], 0, recall_fraction=args.recall_fraction, recall_span=args.recall_span,
-                recall_noise=args.recall_noise, recall_distance=args.recall_distance)
+                recall_noise=args.recall_noise, recall_distance=args.recall_distance,
+                recall_random=args.recall_random, vocab_size=args.vocab)
+    check_int(args.loop_rows, "--loop-rows", min=0)
+    if args.loop_rows:
+        _loops(args, TokenStream([], 0))
     if args.dedup_lines is not None:
         LineDeduplicator(args.dedup_lines)
     check_int(args.vocab, "--vocab", min=MIN_VOCAB, hint=" (the 256 byte tokens and 2 special tokens at least)")
@@ -337,6 +355,14 @@ def check_settings(args) -> tuple[list[int], list[str]]:
         if spec is None or not spec.submodule_search_locations:
             raise ConfigError(f"--extra-packages: {name!r} is not an installed package directory")
     return contexts, workloads
+
+
+def _loops(args, stream: TokenStream) -> LoopWindows | None:
+    """The target's loop rows (``--loop-rows``; None when 0)."""
+    if not args.loop_rows:
+        return None
+    return LoopWindows(stream, rows=args.loop_rows, loop_len=args.loop_len, decay=args.loop_decay,
+                       weight=args.loop_weight)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -378,7 +404,8 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731
     train_stream = TokenStream(encode(corpus.train), eos, recall_fraction=args.recall_fraction,
                                recall_span=args.recall_span, recall_noise=args.recall_noise,
-                               recall_distance=args.recall_distance)
+                               recall_distance=args.recall_distance, recall_random=args.recall_random,
+                               vocab_size=len(tok))
     held_enc = encode_documents(tok, corpus.held_out)
     held_docs = {e.name: e.ids for e in held_enc}
     held_stream = TokenStream(list(held_docs.values()), eos)
@@ -387,6 +414,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     card["tokenizer"] = {"type": "byte-level BPE", "vocab_size": len(tok)}
 
     tcfg = demo_target_config(len(tok), eos, max_len=max(32768, 2 * args.seq_len))
+    loops = _loops(args, train_stream)
     t0 = time.perf_counter()
     phases = []
     for seq_len, batch, steps in args.curriculum:
@@ -394,7 +422,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
             tcfg, train_stream, params=params, steps=steps, batch=batch, seq_len=seq_len,
             optim=OptimConfig(lr=3e-3, warmup_steps=max(1, steps // 20), total_steps=steps),
             seed=args.seed + len(phases) + 1, attention=args.attention, log_every=max(1, steps // 20),
-            progress=False)
+            progress=False, loops=loops)
         for row in hist:
             print(f"target-{seq_len}", json.dumps(row), flush=True)
         phases.append({"seq_len": seq_len, "batch": batch, "steps": steps, "final": hist[-1], "history": hist})
@@ -402,14 +430,18 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
         tcfg, train_stream, params=params, steps=args.target_steps, batch=args.target_batch, seq_len=args.seq_len,
         optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.target_steps // 20), total_steps=args.target_steps),
         ckpt_dir=out / "ckpt_target", seed=args.seed, attention=args.attention, eval_stream=held_stream,
-        eval_every=max(1, args.target_steps // 4), log_every=max(1, args.target_steps // 20), progress=False)
+        eval_every=max(1, args.target_steps // 4), log_every=max(1, args.target_steps // 20), progress=False,
+        loops=loops)
     for row in t_hist:
         print("target", json.dumps(row), flush=True)
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
                       "config": tcfg.to_hf_dict(), "steps": args.target_steps, "batch": args.target_batch,
                       "seq_len": args.seq_len, "recall_fraction": args.recall_fraction,
                       "recall_span": list(args.recall_span), "recall_noise": args.recall_noise,
-                      "recall_distance": args.recall_distance, "curriculum": phases,
+                      "recall_distance": args.recall_distance, "recall_random": args.recall_random,
+                      "loops": ({"rows": loops.rows, "loop_len": loops.loop_len, "span": list(loops.loop_span),
+                                 "decay": loops.decay, "weight": loops.weight} if loops else None),
+                      "curriculum": phases,
                       "init_target": init,
                       "train_seconds": time.perf_counter() - t0,
                       "final": t_hist[-1], "history": t_hist}
