@@ -890,7 +890,7 @@ FIELD_CHECKS: dict[str, Callable[[Any, str], None]] = {
     "draft_sampling": _choice(DRAFT_SAMPLING),
     "diffspec_chunk_size": _positive_int,
     "diffspec_token_budget": _positive_int,
-    "diffspec_retrieval_interval": _positive_int,
+    "diffspec_retrieval_interval": _positive_or_none,
     "diffspec_keep_sink_chunk": check_bool,
     "diffspec_retrieve_after_prefill": check_bool,
     "diffspec_adaptive_profile": check_bool,
@@ -967,6 +967,10 @@ class _Context(_Part):
         holds it)."""
         return self
 
+    def with_default_interval(self, self_draft: bool) -> _Context:
+        """This policy with its drafter-dependent defaults filled in (DiffSpec: the retrieval interval)."""
+        return self
+
     def check_target(self, target: ModelConfig) -> None:
         """Check what the policy reads of ``target`` (DiffSpec: its scoring layer); raises ConfigError."""
 
@@ -1018,12 +1022,21 @@ class Recent(_WorkingCache):
         return self.token_budget - k - 1
 
 
+#: DiffSpec's retrieval interval when none is given and the target drafts for itself: every cycle. Its working set
+#: then follows the chain through the context; at 4 it lags up to three cycles behind (docs/self_drafting.md,
+#: "Measurements": every cycle accepted more on all three prompt sets measured)
+SELF_DRAFT_INTERVAL = 1
+#: ... and for a draft model (an EAGLE-3 draft), whose store is rebuilt per retrieval: every 4 cycles
+MODEL_DRAFT_INTERVAL = 4
+
+
 @dataclass(frozen=True)
 class DiffSpec(_WorkingCache):
     """Target-guided chunks + a rolling recent window in the working cache (``draft_context_policy="diffspec"``).
 
     Attributes (besides ``token_budget`` and ``chunk_size``; flat keys ``diffspec_<name>`` unless noted):
-        retrieval_interval: N, verification cycles between retrievals [4].
+        retrieval_interval: N, verification cycles between retrievals [None: the drafter's default, 1 when the
+            target drafts for itself and 4 for a draft model (:meth:`with_default_interval`)].
         keep_sink_chunk: always keep chunk 0 [False].
         retrieve_after_prefill: retrieve once right after prefill [True].
         adaptive: adapt the retrieval interval per sequence (double up to 32 on stable selections) [False]
@@ -1034,7 +1047,7 @@ class DiffSpec(_WorkingCache):
         scoring_layer: target layer whose attention scores chunks [None = last full-attention layer].
     """
 
-    retrieval_interval: int = 4
+    retrieval_interval: int | None = None
     keep_sink_chunk: bool = False
     retrieve_after_prefill: bool = True
     adaptive: bool = False
@@ -1064,6 +1077,14 @@ class DiffSpec(_WorkingCache):
 
     def with_sink(self) -> DiffSpec:
         return dataclasses.replace(self, keep_sink_chunk=True)
+
+    def with_default_interval(self, self_draft: bool) -> DiffSpec:
+        """This policy with ``retrieval_interval`` set when it was left at None: :data:`SELF_DRAFT_INTERVAL` for
+        self-drafting, :data:`MODEL_DRAFT_INTERVAL` for a draft model."""
+        if self.retrieval_interval is not None:
+            return self
+        return dataclasses.replace(self, retrieval_interval=SELF_DRAFT_INTERVAL if self_draft
+                                   else MODEL_DRAFT_INTERVAL)
 
     def check_target(self, target: ModelConfig) -> None:
         self.layer_for(target)
@@ -1305,6 +1326,11 @@ class SpecConfig:
 
     def replace(self, **changes: Any) -> SpecConfig:
         return dataclasses.replace(self, **changes)
+
+    def with_default_interval(self, self_draft: bool) -> SpecConfig:
+        """This config with the drafter-dependent defaults of its draft context filled in (``self_draft``: the
+        target drafts for itself); the engine, the server and the torch bridge run only such configs."""
+        return self.replace(context=self.context.with_default_interval(self_draft))
 
     @property
     def tree(self) -> bool:

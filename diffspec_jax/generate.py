@@ -5,6 +5,7 @@ Examples::
     python -m diffspec_jax.generate                                  # the embedded default pair
     python -m diffspec_jax.generate --target T --draft D --prompt "def main():" --max-new-tokens 128
     python -m diffspec_jax.generate --target T --draft D --prompt-file long.py --policy diffspec --json
+    python -m diffspec_jax.generate --example recall                 # where DiffSpec's retrieval matters (below)
     python -m diffspec_jax.generate --target T --draft self --prompt-file long.py   # the target drafts for itself
     python -m diffspec_jax.generate --target T --draft ngram --prompt-file long.py  # prompt lookup, no draft model
 
@@ -19,6 +20,15 @@ target-only decoding on the same prompt (both paths warmed up first) and reports
 times, the decode speedup and the end-to-end speedup (prefill + decode), a line on why when either is below 1, and
 whether the outputs are identical (greedy) or why they differ (sampling). The embedded pair compares by default
 (``--no-compare`` runs the speculative path alone, without the warm-up runs); ``--no-draft`` never compares.
+
+``--example recall`` runs the embedded pair on a prompt where DiffSpec's retrieval matters: the built-in prompt's
+file, 8K tokens of it, then the file's first 64 tokens again, so that a continuation that copies re-emits the
+file from 8K tokens back, far beyond a working cache of 1024 positions (``--token-budget`` changes it), which the
+``recent`` window cannot reach and ``diffspec`` can retrieve. It decodes the same prompt greedily three times
+(target-only, ``--policy diffspec``, ``--policy recent``; same ``--max-new-tokens``) and reports each policy's mean
+acceptance length, DiffSpec's retrieval counters, whether each output is identical to target-only, and how much of
+the file the target's own output re-emits (``--json``: one object). It brings its own prompt, pair, policies and
+greedy sampling, so the options that set those are usage errors with it.
 
 This module is also callable: ``diffspec_jax.generate(target, draft, prompts, ...)`` is
 :func:`diffspec_jax.engine.generate` whether ``diffspec_jax.generate`` names the function or this module.
@@ -38,7 +48,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from diffspec_jax import demo, engine, stopping
+from diffspec_jax import corpus, demo, engine, stopping
 from diffspec_jax import target as tgt
 from diffspec_jax.draft import load_draft
 from diffspec_jax.mesh import make_mesh
@@ -72,6 +82,19 @@ def _tokenizer(path: Path):
 #: the largest prompt ``--prompt-file`` (or standard input) reads by default: 2**20 tokens (beyond the context window
 #: of every supported model) at 16 bytes per token (UTF-8 text averages about 4); ``--max-prompt-bytes`` raises it
 MAX_PROMPT_BYTES = 16 << 20
+
+
+#: the built-in examples of ``--example``
+EXAMPLES = ("recall",)
+#: ``--example recall``: the prompt's tokens (the re-emitted passage's first copy is this far back), the passage's
+#: tokens, and the working-cache budget unless ``--token-budget`` is given (far below the distance, so the
+#: ``recent`` window cannot hold the passage)
+RECALL_CONTEXT, RECALL_PASSAGE, RECALL_BUDGET = 8192, 64, 1024
+#: the draft-context policies ``--example recall`` compares, in the order it runs them
+RECALL_POLICIES = ("diffspec", "recent")
+#: below this share of new tokens re-emitting the passage, the target itself barely copies it, which bounds what
+#: retrieval can add to the draft's acceptance
+LOW_COPYING = 0.5
 
 
 def _prompt_text(args) -> str | None:
@@ -181,7 +204,8 @@ def add_spec_arguments(ap) -> None:
     ap.add_argument("--token-budget", type=int, default=DiffSpec.token_budget,
                     help="diffspec / recent: working-cache positions the draft reads (a multiple of --chunk-size)")
     ap.add_argument("--retrieval-interval", type=int, default=DiffSpec.retrieval_interval,
-                    help="diffspec: cycles between retrievals of the working cache's chunks")
+                    help="diffspec: cycles between retrievals of the working cache's chunks (default: 1 with "
+                         "--draft self, 4 with a draft model)")
     ap.add_argument("--verification-mode", default="auto",
                     help="auto | linear (chain drafting) | tree (tree drafting and verification)")
     ap.add_argument("--max-tree-nodes", type=int, default=Tree.max_nodes,
@@ -279,6 +303,12 @@ def build_parser() -> ArgumentParser:
                               "opt-out)")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object (ids, text, finish_reason: stop | length, stats)")
+    ap.add_argument("--example", choices=EXAMPLES,
+                    help=f"run a built-in example on the embedded pair instead of a prompt (default: none). recall: "
+                         f"a prompt of {RECALL_CONTEXT} tokens that ends by re-emitting a file from its start, beyond "
+                         f"a working cache of {RECALL_BUDGET} positions (--token-budget changes it); compares the "
+                         f"diffspec and recent policies' acceptance, DiffSpec's retrievals and losslessness (greedy; "
+                         f"not with the prompt, model, --policy or sampling options)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar or status line")
     return ap
 
@@ -302,6 +332,9 @@ TREE_OPTIONS = ("max_tree_nodes", "tree_topk", "tree_branching", "tree_threshold
 NGRAM_OPTIONS = ("ngram_min_n", "ngram_max_n")
 #: options of a draft's context: refused with --draft ngram (prompt lookup reads the whole sequence)
 CONTEXT_OPTIONS = ("policy", "chunk_size", "token_budget", "retrieval_interval")
+#: options refused with --example: it sets the prompt, the pair, the policies and greedy sampling itself
+EXAMPLE_OPTIONS = ("prompt", "prompt_file", "prompt_ids", "max_prompt_bytes", "chat", "target", "draft", "no_draft",
+                   "policy", "temperature", "top_k", "top_p", "stop", "compare", "no_compare")
 
 
 def given_options(argv: list[str] | None) -> dict[str, str]:
@@ -316,6 +349,11 @@ def given_options(argv: list[str] | None) -> dict[str, str]:
 def check_option_combinations(args, given: dict[str, str]) -> None:
     """Refuse options that contradict each other or that the other options make ineffective (a
     :class:`ConfigError`: exit status 2), rather than ignoring them without a word."""
+    example = [given[d] for d in EXAMPLE_OPTIONS if d in given]
+    if args.example and example:
+        raise ConfigError(f"--example {args.example} brings its own prompt, the embedded pair, both the diffspec and "
+                          f"recent policies and greedy decoding, so it cannot be combined with {', '.join(example)}; "
+                          f"drop {'them' if len(example) > 1 else 'it'} or --example")
     check_parallel_options(args)
     ignored = [given[d] for d in SPECULATIVE_OPTIONS if d in given]
     if args.no_draft and ignored:
@@ -351,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     quiet_library_notices()
     args = build_parser().parse_args(argv)
     try:
-        check_option_combinations(args, given_options(argv))
+        given = given_options(argv)
+        check_option_combinations(args, given)
+        if args.example:
+            return run_example(args, given)
         text = _prompt_text(args)  # before any model is loaded: a bad prompt file fails at once
         named = named_draft(args)
         target_dir, draft_dir, embedded = model_dirs(args)
@@ -430,6 +471,122 @@ def main(argv: list[str] | None = None) -> int:
         _print_summary(report)
     div = report.get("divergence")
     return 1 if div is not None and not div["near_tie"] else 0  # a real greedy mismatch is a bug: fail
+
+
+def recall_example(args, given: dict[str, str], *, say=None, progress=None) -> dict:
+    """``--example recall`` (see the module docstring): greedy target-only decoding, then speculative decoding with
+    each of :data:`RECALL_POLICIES`, of one :func:`diffspec_jax.demo.recall_prompt` on the embedded pair. Returns
+    the report that ``--json`` prints; ``say(line)`` gets what will run once the settings are checked (before the
+    models load), ``progress(line)`` a line before each run."""
+    target_dir, draft_dir = default_pair()
+    if "token_budget" not in given:
+        args.token_budget = RECALL_BUDGET
+    specs = {}
+    for policy in RECALL_POLICIES:
+        args.policy = policy
+        specs[policy] = spec_from_args(args, args.draft_tp)
+    check_int(args.max_new_tokens, "--max-new-tokens", min=1, error=InputError)
+    tok = _tokenizer(target_dir)
+    prompt = demo.recall_prompt(tok, RECALL_CONTEXT, RECALL_PASSAGE, args.max_new_tokens)
+    if args.token_budget >= prompt.distance:
+        raise ConfigError(f"--token-budget {args.token_budget} would hold the whole recall passage "
+                          f"({prompt.distance} tokens back), so recent would see it too; give less than "
+                          f"{prompt.distance} (default {RECALL_BUDGET})")
+    if say is not None:
+        say(f"[embedded demo pair: {target_dir.parent}; example recall: the first {len(prompt.ids) - RECALL_PASSAGE} "
+            f"tokens of the built-in prompt's file ({prompt.doc}), then its first {RECALL_PASSAGE} tokens again, so "
+            f"a continuation that copies re-emits the file from {prompt.distance} tokens back; working-cache budget "
+            f"{args.token_budget} positions: the recent window cannot reach that far, diffspec can retrieve it; "
+            f"target-only, diffspec and recent decode it greedily, {args.max_new_tokens} new tokens each]")
+    target = load_target(target_dir, dtype=resolve_dtype_arg(args.dtype), verify=not args.no_verify)
+    draft = load_draft(draft_dir, target, verify=not args.no_verify)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=SamplingConfig(), seed=args.seed,
+                  stop_token_ids=() if args.ignore_eos else None, mesh=make_mesh(args.tp) if args.tp > 1 else None,
+                  tokenizer=tok, skip_special_tokens=not args.keep_special_tokens, kv_cache_dtype=args.kv_cache_dtype)
+    runs = len(RECALL_POLICIES) + 1
+    progress = progress or (lambda line: None)
+    progress(f"1/{runs}: target-only decoding of the {len(prompt.ids)}-token prompt (compiles first)")
+    base = engine.generate(target, None, [prompt.ids], **kwargs)
+    spec = specs[RECALL_POLICIES[0]]
+    report = {"example": "recall", "target": str(target_dir), "draft": str(draft_dir),
+              "prompt_tokens": len(prompt.ids), "passage_file": prompt.doc, "passage_tokens": RECALL_PASSAGE,
+              "passage_distance": prompt.distance, "token_budget": args.token_budget,
+              "chunk_size": spec.context.chunk_size, "num_speculative_tokens": spec.num_speculative_tokens,
+              "max_new_tokens": args.max_new_tokens, "greedy": True,
+              "passage_text": tok.decode(prompt.ids[-RECALL_PASSAGE:]), "ids": base.tokens[0],
+              "text": base.texts[0], "finish_reason": base.finish_reasons[0],
+              "copied_fraction": corpus.copied_fraction(base.tokens, [prompt]), "baseline": base.stats.to_dict(),
+              "policies": {}}
+    compile_s = base.stats.compile_s
+    for i, policy in enumerate(RECALL_POLICIES, 2):
+        progress(f"{i}/{runs}: speculative decoding, policy {policy}")
+        res = engine.generate(target, draft, [prompt.ids], **kwargs, spec=specs[policy])
+        s = res.stats
+        run = {"mean_acceptance_length": s.mean_acceptance_length,
+               "retrieval": (s.retrieval or {}).get("aggregate"),
+               "history_slots": specs[policy].context.history_slots(s.num_speculative_tokens),
+               "identical_to_target_only": res.tokens == base.tokens, "stats": s.to_dict()}
+        if res.tokens != base.tokens:
+            run["divergence"] = divergence(target, prompt.ids, base.tokens[0], res.tokens[0])
+        report["policies"][policy] = run
+        compile_s += s.compile_s
+    report["compile_s"] = compile_s
+    return report
+
+
+def recall_summary_lines(report: dict) -> list[str]:
+    """What ``--example recall`` prints on stderr after the text (``report``: :func:`recall_example`'s)."""
+    def fmt(x):  # no verification ran (a single new token)
+        return "n/a" if x is None else f"{x:.2f}"
+
+    lines = [f"{_run_line('target-only', report['baseline'], report['finish_reason'])}; compilation "
+             f"{report['compile_s']:.2f}s in all {len(report['policies']) + 1} runs, not in their times"]
+    for policy, run in report["policies"].items():
+        s, a = run["stats"], run["retrieval"]
+        seen = (f"retrievals {a['retrievals']} (after prefill {a['retrievals_after_prefill']}), skipped not due "
+                f"{a['skipped_not_due']}, skipped fits {a['skipped_fits']}, {a['retrieval_ms']:.2f} ms each"
+                if a else f"no retrieval: the draft reads the last {run['history_slots']} positions only")
+        same = ("output identical to target-only (greedy: lossless)" if run["identical_to_target_only"]
+                else "output differs from target-only")
+        lines.append(f"{policy}: mean acceptance length {fmt(run['mean_acceptance_length'])} "
+                     f"(K={s['num_speculative_tokens']}, {s['sequence_cycles']} cycles, accepted per position "
+                     f"{s['acceptance_per_position']}); "
+                     f"{seen}; {same}")
+        div = run.get("divergence")
+        if div is not None:
+            verdict = ("a numerical near-tie" if div["near_tie"]
+                       else f"NOT a near-tie (> {NEAR_TIE_LOGIT_GAP}): a bug, please report it")
+            lines.append(f"  first divergence at new token {div['new_token']}: logit gap {div['logit_gap']:.4f} "
+                         f"({div['dtype']}): {verdict}")
+    first, second = (report["policies"][p]["mean_acceptance_length"] for p in RECALL_POLICIES)
+    if first is not None and second is not None:
+        lines.append(f"{RECALL_POLICIES[0]} - {RECALL_POLICIES[1]}: {first - second:+.2f} tokens per verification on "
+                     f"the same prompt")
+    share = report["copied_fraction"]
+    lines.append(f"the target's own continuation follows the file's text after the passage verbatim for {share:.0%} "
+                 f"of its new tokens" + (": a target that barely copies leaves retrieval little to add to the "
+                                         "draft's acceptance" if share < LOW_COPYING else ""))
+    return lines
+
+
+def run_example(args, given: dict[str, str]) -> int:
+    """``--example``: run it, print its text on stdout and its summary on stderr (or one JSON object); exit
+    status 1 when a policy's greedy output differs from target-only beyond a near-tie (a bug), else 0."""
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    chatty = not args.json
+    report = recall_example(args, given, say=say if chatty else None,
+                            progress=(lambda line: say(f"[{line} ...]")) if chatty and not args.no_progress else None)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"[the prompt ends with {report['passage_text']!r}; the target-only continuation follows]",
+              file=sys.stderr)
+        print(report["text"])
+        print("\n".join(recall_summary_lines(report)), file=sys.stderr)
+    return 1 if any(r.get("divergence") and not r["divergence"]["near_tie"]
+                    for r in report["policies"].values()) else 0
 
 
 #: a greedy divergence whose two tokens' target logits differ by at most this is a numerical near-tie (the two

@@ -86,7 +86,8 @@ def test_help_shows_every_options_default():
         assert "(default: 4)" in " ".join(text.split()) and "this command only" not in text
     gen = next(_help_parsers()).format_help()
     for option, default in (("--max-new-tokens", 128), ("--token-budget", 2048), ("--chunk-size", 64),
-                            ("--retrieval-interval", 4), ("--num-speculative-tokens", 4)):
+                            ("--retrieval-interval", "1 with --draft self, 4 with a draft model"),
+                            ("--num-speculative-tokens", 4)):
         block = " ".join(gen[gen.index(f"  {option} "):].split("\n  -")[0].split())
         assert f"(default: {default})" in block, block
 

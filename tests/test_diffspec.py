@@ -52,6 +52,8 @@ def test_working_cache_policies_are_lossless(extra, targets, drafts, prompts, ba
         assert agg["retrievals"] >= 1 + len(LENGTHS)
         for s in res.stats.retrieval["per_sequence"]:
             assert s["working_len"] == 32  # n = Hb once the context exceeds it
+            assert s["interval"] == extra.get("diffspec_retrieval_interval", 4) or extra.get(
+                "diffspec_adaptive_profile")  # a draft model's default interval: 4
             if extra.get("diffspec_keep_sink_chunk"):
                 assert s["sink_kept"] and 0 in s["anchor_chunks"]
             assert len(s["anchor_chunks"]) == 3

@@ -91,6 +91,45 @@ def test_embedded_demo_pair_with_a_text_prompt(capsys):
     assert "target-only" not in out.err and "speedup" not in out.err and "warm-up" not in out.err
 
 
+def test_example_recall_compares_both_policies_on_a_far_passage(monkeypatch, capsys):
+    """--example recall (issue 43), shortened: the prompt re-emits its file's opening at the end, further back than
+    the working cache holds; both policies' acceptance, DiffSpec's retrievals and losslessness are reported."""
+    cli = _cli()
+    monkeypatch.setattr(cli, "RECALL_CONTEXT", 1024)
+    monkeypatch.setattr(cli, "RECALL_BUDGET", 256)
+    prompt = cli.demo.recall_prompt(cli._tokenizer(cli.default_pair()[0]), 1024, cli.RECALL_PASSAGE, 12)
+    assert len(prompt.ids) == 1024 and prompt.ids[-cli.RECALL_PASSAGE:] == prompt.ids[:cli.RECALL_PASSAGE]
+    assert prompt.distance == 1024 and len(prompt.reference) == 12
+    code, out = run_cli(["--example", "recall", "--max-new-tokens", "12", "--json"], capsys)
+    assert code == 0, out.err
+    rep = json.loads(out.out)
+    assert rep["prompt_tokens"] == 1024 and rep["passage_distance"] == 1024 > rep["token_budget"] == 256
+    assert rep["greedy"] is True and len(rep["ids"]) == 12 and 0.0 <= rep["copied_fraction"] <= 1.0
+    diffspec, recent = rep["policies"]["diffspec"], rep["policies"]["recent"]
+    assert diffspec["retrieval"]["retrievals"] >= 1 and recent["retrieval"] is None
+    for run in (diffspec, recent):
+        assert run["mean_acceptance_length"] >= 1.0 and run["identical_to_target_only"] is True
+    lines = cli.recall_summary_lines(rep)
+    assert lines[1].startswith("diffspec: mean acceptance length") and "retrievals " in lines[1]
+    assert lines[2].startswith("recent: mean acceptance length") and "no retrieval" in lines[2]
+    assert "output identical to target-only (greedy: lossless)" in lines[1] and lines[3].startswith("diffspec - recent")
+
+
+def test_example_conflicts_are_usage_errors(capsys):
+    """--example brings its own prompt, pair, policies and greedy decoding: options that set them exit 2 in one line
+    naming them, before anything is loaded; an unknown example is refused by the parser."""
+    for args, named in [(["--prompt", "x"], "--prompt"), (["--prompt-ids", "1,2"], "--prompt-ids"),
+                        (["--policy", "recent"], "--policy"), (["--target", "/nonexistent"], "--target"),
+                        (["--draft", "self"], "--draft"),
+                        (["--prompt-file", "p.txt", "--temperature", "0.7"], "--prompt-file, --temperature")]:
+        code, out = run_cli(["--example", "recall", *args], capsys)
+        assert code == 2 and f"cannot be combined with {named};" in out.err and "--example recall" in out.err, args
+        assert "Traceback" not in out.err and len([ln for ln in out.err.splitlines() if ln.strip()]) == 1
+    with pytest.raises(SystemExit) as exc:
+        run_cli(["--example", "bogus"], capsys)
+    assert exc.value.code == 2 and "invalid choice: 'bogus'" in capsys.readouterr().err
+
+
 def test_bad_input_is_a_clear_error(random_pair, tmp_path, capsys):
     target, _ = random_pair
     code, out = run_cli(["--target", str(target), "--prompt-ids", "1,2,99999"], capsys)

@@ -238,7 +238,13 @@ def test_invalid_combinations(kw, needle):
 
 def test_defaults_follow_the_reference_table():
     s = SpecConfig.from_flat(dict(draft_context_policy="diffspec", num_speculative_tokens=3))
-    assert (s.context.chunk_size, s.context.token_budget, s.context.retrieval_interval) == (64, 2048, 4)
+    assert (s.context.chunk_size, s.context.token_budget, s.context.retrieval_interval) == (64, 2048, None)
+    # the interval left at None takes the drafter's default; one given is kept
+    assert s.with_default_interval(self_draft=False).context.retrieval_interval == 4
+    assert s.with_default_interval(self_draft=True).context.retrieval_interval == 1
+    given = SpecConfig.from_flat(dict(draft_context_policy="diffspec", diffspec_retrieval_interval=3))
+    assert given.with_default_interval(self_draft=True) == given
+    assert SpecConfig().with_default_interval(self_draft=True) == SpecConfig()  # no DiffSpec context: unchanged
     assert (s.history_budget, s.max_chunks) == (1984, 31)
     assert SpecConfig.from_flat(dict(draft_context_policy="diffspec", num_speculative_tokens=5,
                                      diffspec_chunk_size=32)).history_budget == 2016

@@ -50,6 +50,8 @@ def test_greedy_self_draft_equals_target_only(arch, policy, targets, prompts, ba
         assert s.retrieval["aggregate"]["retrievals"] >= 1 + len(LENGTHS)
         for seq in s.retrieval["per_sequence"]:
             assert seq["working_len"] == 32 and seq["sink_kept"] and len(seq["anchor_chunks"]) == 3
+            # self-drafting's default interval: retrieval every cycle, each one after the prefill's
+            assert seq["interval"] == 1 and seq["skipped_not_due"] == 0 and seq["retrievals"] == seq["cycles"] + 1
     else:
         assert s.retrieval is None
 

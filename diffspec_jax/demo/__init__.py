@@ -28,3 +28,23 @@ def draft_dir() -> Path:
 def prompt_text() -> str:
     """The built-in long prompt: the opening of a held-out standard-library module (about 10K tokens)."""
     return _require(PAIR / "demo_prompt.txt").read_text()
+
+
+def recall_prompt(tokenizer, context: int, passage: int, new_tokens: int):
+    """A recall prompt (:func:`diffspec_jax.corpus.held_out_prompts`, workload ``recall``) cut from the built-in
+    prompt's text, which is one held-out file after its ``# file: <path>`` line: the first ``context - passage``
+    tokens of it, then its first ``passage`` tokens again (the header and the file's opening lines), so that a model
+    that copies continues the file from ``context`` tokens back (``Prompt.distance``). ``Prompt.reference`` holds
+    the up to ``new_tokens`` tokens that follow the re-emitted part in the file (what a perfect copy writes next).
+
+    Raises:
+        ConfigError when the text is shorter than ``context - passage`` tokens or ``passage`` is not in
+        ``(0, context / 4)``.
+    """
+    from diffspec_jax.corpus import Document, encode_documents, held_out_prompts
+
+    text = prompt_text()
+    name = text.partition("\n")[0].removeprefix("# file: ")
+    doc = encode_documents(tokenizer, [Document(name, [name], text)])
+    new_tokens = max(0, min(new_tokens, len(doc[0].ids) - passage))  # the reference ends where the text does
+    return held_out_prompts(doc, context, 1, seed=0, workload="recall", new_tokens=new_tokens, reemit=passage)[0]

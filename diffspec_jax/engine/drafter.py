@@ -70,6 +70,7 @@ def draft_spec(choice: DraftChoice, spec: SpecConfig, target: ModelConfig, propo
     Raises:
         ConfigError: what the chosen drafters do not support; ``ngram_first`` with a drafter that is no model
         draft (``ngram_first`` without any drafter is ignored)."""
+    spec = spec.with_default_interval(choice.self_draft)
     drafter = choice.drafter
     if choice.model is not None or proposer is not None:
         drafter = Eagle3Drafter(proposer)

@@ -104,7 +104,7 @@ class DiffspecRuntime:
                             ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise BridgeError(f"{name} must be a positive integer, got {value!r}")
-        self.spec = spec
+        self.spec = spec.with_default_interval(self_draft=False)  # the bridge serves a draft model
         self.rope = rope if rope is not None else RopeConfig()
         self.device = select_device(device)
         self.dtype = resolve_dtype(dtype)
@@ -133,7 +133,7 @@ class DiffspecRuntime:
         self._window = torch.zeros((self.max_slots,), dtype=torch.int32, device=self.device)
         self._slot_of: dict[Hashable, int] = {}
         self._free = list(range(self.max_slots))  # a heap: new requests take the lowest free slot
-        self._ctl = RetrievalControl(spec, self.max_slots)  # cadence and counters, one entry per slot
+        self._ctl = RetrievalControl(self.spec, self.max_slots)  # cadence and counters, one entry per slot
         self._stored = [0] * self.max_slots  # 1 + the largest position stored per slot
         self._lifetime = {k: 0 for k in ADDITIVE}
 
