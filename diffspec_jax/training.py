@@ -171,13 +171,14 @@ class LoopWindows:
     objective of Xu et al., "Learning to Break the Loop", NeurIPS 2022, in our own form).
 
     A small model that copies well also repeats itself when decoding greedily: once a line recurs, copying it again
-    looks likelier each time. Each loop row is a plain window of ``loop_len`` tokens whose tail, from a random place
+    looks likelier each time. Each loop row is a plain window of ``loop_len + 1`` tokens (the model reads
+    ``loop_len``, like the ``seq_len + 1`` of :func:`train_target`'s windows) whose tail, from a random place
     in its second half, repeats the ``period`` tokens before that place over and over (``period`` drawn from
-    ``loop_span``). :func:`loop_loss` then asks the model to give each repeated token ``decay`` times the
+    ``loop_span``; a greedy loop's period is often 1-6 tokens, so the default starts at 1). :func:`loop_loss` then asks the model to give each repeated token ``decay`` times the
     probability it gave the same token one period earlier, so every further repetition is less likely than the one
     before. Far-back copies (recall spans) are not loops: their source is thousands of tokens away, not one period.
 
-    ``batch`` returns ``{"tokens": [batch, length], "loop": [rows, loop_len], "period": [rows, loop_len]}``
+    ``batch`` returns ``{"tokens": [batch, length], "loop": [rows, loop_len + 1], "period": [rows, loop_len + 1]}``
     (``period[r, t]`` = the period where token t repeats token t - period, else 0), a deterministic function of
     (seed, step) like :meth:`TokenStream.batch`.
     """
@@ -185,7 +186,7 @@ class LoopWindows:
     stream: TokenStream
     rows: int = 4
     loop_len: int = 1024
-    loop_span: tuple[int, int] = (8, 64)
+    loop_span: tuple[int, int] = (1, 64)
     decay: float = 0.5
     weight: float = 1.0
 
@@ -201,13 +202,14 @@ class LoopWindows:
         check_real(self.weight, "loop weight", min=0.0)
 
     def batch(self, step: int, batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
-        loop = self.stream.batch(step, self.rows, self.loop_len, seed=seed + 7919)  # other windows than tokens'
+        size = self.loop_len + 1  # the model reads loop_len tokens and predicts the next of each
+        loop = self.stream.batch(step, self.rows, size, seed=seed + 7919)  # other windows than tokens'
         period = np.zeros_like(loop)
         rng = np.random.default_rng([seed, step, 1])
         for row, per in zip(loop, period):
             n = int(rng.integers(self.loop_span[0], self.loop_span[1] + 1))
-            start = int(rng.integers(max(n, self.loop_len // 2), self.loop_len - 2 * n + 1))
-            tail = np.resize(row[start - n:start], self.loop_len - start)  # the period before, tiled
+            start = int(rng.integers(max(n, size // 2), size - 2 * n + 1))
+            tail = np.resize(row[start - n:start], size - start)  # the period before, tiled
             row[start:] = tail
             per[start:] = n
         return {"tokens": self.stream.batch(step, batch, length, seed), "loop": loop, "period": period}

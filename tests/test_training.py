@@ -351,7 +351,7 @@ def test_loop_rows_repeat_their_period_and_the_penalty_matches_numpy(corpus_stre
     from diffspec_jax.training import LoopWindows, loop_loss
 
     tok, stream, _ = corpus_stream
-    loops = LoopWindows(stream, rows=5, loop_len=96, loop_span=(3, 11), decay=0.5)
+    loops = LoopWindows(stream, rows=5, loop_len=96, loop_span=(1, 11), decay=0.5)
     b = loops.batch(4, 2, 40, seed=3)
     assert np.array_equal(b["tokens"], stream.batch(4, 2, 40, seed=3))
     assert all(np.array_equal(v, loops.batch(4, 2, 40, seed=3)[k]) for k, v in b.items())  # (seed, step) decides
@@ -360,15 +360,15 @@ def test_loop_rows_repeat_their_period_and_the_penalty_matches_numpy(corpus_stre
         t = np.flatnonzero(per)
         n = int(per[t[0]])
         periods.add(n)
-        assert 3 <= n <= 11 and t[0] >= 48 and np.array_equal(t, np.arange(t[0], 96)) and set(per[t]) == {n}
+        assert 1 <= n <= 11 and t[0] >= 48 and np.array_equal(t, np.arange(t[0], 97)) and set(per[t]) == {n}
         assert np.array_equal(row[t], row[t - n])  # every marked token repeats the one a period earlier
     assert len(periods) > 1
     rng = np.random.default_rng(0)
-    logits = rng.normal(0, 3, (5, 95, len(tok)))
+    logits = rng.normal(0, 3, (5, 96, len(tok)))
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     want, count = 0.0, 0
     for r in range(5):
-        for i in range(95):  # prediction i is of token i + 1
+        for i in range(96):  # prediction i is of token i + 1
             n = b["period"][r, i + 1]
             if n and i - n >= 0:
                 p_now = np.exp(logp[r, i, b["loop"][r, i + 1]])

@@ -102,15 +102,18 @@ def parse_curriculum(text: str) -> tuple[tuple[int, int, int], ...]:
     return phases
 
 
-def parse_recall_span(text: str) -> tuple[int, int]:
-    """``"64,1024"`` -> (64, 1024): the shortest and longest recall span in tokens."""
-    try:
-        span = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        span = ()
-    if len(span) != 2:
-        raise argparse.ArgumentTypeError(f"--recall-span wants SHORTEST,LONGEST in tokens, got {text!r}")
-    return span
+def span_parser(option: str):
+    """The argparse type of ``option``: ``"64,1024"`` -> (64, 1024), the shortest and longest span in tokens."""
+    def parse(text: str) -> tuple[int, int]:
+        try:
+            span = tuple(int(x) for x in text.split(","))
+        except ValueError:
+            span = ()
+        if len(span) != 2:
+            raise argparse.ArgumentTypeError(f"{option} wants SHORTEST,LONGEST in tokens, got {text!r}")
+        return span
+    return parse
+
 
 
 #: the ModelConfig fields an ``--init-target`` checkpoint must share with :func:`demo_target_config`
@@ -279,7 +282,7 @@ def build_parser() -> ArgumentParser:
                     help="continue training this earlier build's target directory (its tokenizer and weights; "
                          "--vocab is then ignored)")
     ap.add_argument("--recall-fraction", type=float, default=0.0, help="training windows with a recall span")
-    ap.add_argument("--recall-span", type=parse_recall_span, default=(64, 1024),
+    ap.add_argument("--recall-span", type=span_parser("--recall-span"), default=(64, 1024),
                     help="shortest,longest recall span (tokens)")
     ap.add_argument("--recall-distance", type=float, default=0.0,
                     help="shortest distance from a recall passage to its copy, as a share of the window (0-0.75)")
@@ -289,6 +292,8 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--loop-rows", type=int, default=0,
                     help="loop rows per target step, trained out of greedy repetition (0: off; LoopWindows)")
     ap.add_argument("--loop-len", type=int, default=1024, help="tokens per loop row")
+    ap.add_argument("--loop-span", type=span_parser("--loop-span"), default=LoopWindows.loop_span,
+                    help="shortest,longest repeated period of a loop row (tokens; longest <= --loop-len / 4)")
     ap.add_argument("--loop-decay", type=float, default=0.5,
                     help="each repetition's probability over the one before it, as the loop rows teach")
     ap.add_argument("--loop-weight", type=float, default=1.0, help="weight of the loop penalty beside the LM loss")
@@ -361,8 +366,8 @@ def _loops(args, stream: TokenStream) -> LoopWindows | None:
     """The target's loop rows (``--loop-rows``; None when 0)."""
     if not args.loop_rows:
         return None
-    return LoopWindows(stream, rows=args.loop_rows, loop_len=args.loop_len, decay=args.loop_decay,
-                       weight=args.loop_weight)
+    return LoopWindows(stream, rows=args.loop_rows, loop_len=args.loop_len, loop_span=args.loop_span,
+                       decay=args.loop_decay, weight=args.loop_weight)
 
 
 def main(argv: list[str] | None = None) -> int:
