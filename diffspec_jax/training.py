@@ -174,9 +174,10 @@ class LoopWindows:
     looks likelier each time. Each loop row is a plain window of ``loop_len + 1`` tokens (the model reads
     ``loop_len``, like the ``seq_len + 1`` of :func:`train_target`'s windows) whose tail, from a random place
     in its second half, repeats the ``period`` tokens before that place over and over (``period`` drawn from
-    ``loop_span``; a greedy loop's period is often 1-6 tokens, so the default starts at 1). :func:`loop_loss` then asks the model to give each repeated token ``decay`` times the
-    probability it gave the same token one period earlier, so every further repetition is less likely than the one
-    before. Far-back copies (recall spans) are not loops: their source is thousands of tokens away, not one period.
+    ``loop_span``; a greedy loop's period is often 1-6 tokens, so the default starts at 1). :func:`loop_loss` then
+    asks the model to give each repeated token ``decay`` times the probability it gave the same token one period
+    earlier, so every further repetition is less likely than the one before. Far-back copies (recall spans) are
+    not loops: their source is thousands of tokens away, not one period.
 
     ``batch`` returns ``{"tokens": [batch, length], "loop": [rows, loop_len + 1], "period": [rows, loop_len + 1]}``
     (``period[r, t]`` = the period where token t repeats token t - period, else 0), a deterministic function of
