@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from diffspec_jax.corpus import Document, encode_documents, held_out_prompts
 from diffspec_jax.errors import CheckpointError
 
 PAIR = Path(__file__).resolve().parent / "pair"
@@ -41,8 +42,6 @@ def recall_prompt(tokenizer, context: int, passage: int, new_tokens: int):
         ConfigError when the text is shorter than ``context - passage`` tokens or ``passage`` is not in
         ``(0, context / 4)``.
     """
-    from diffspec_jax.corpus import Document, encode_documents, held_out_prompts
-
     text = prompt_text()
     name = text.partition("\n")[0].removeprefix("# file: ")
     doc = encode_documents(tokenizer, [Document(name, [name], text)])
