@@ -378,7 +378,7 @@ def next_logp(config: ModelConfig, params, tokens, *, attention: str = "dense", 
     """float32 log-probabilities ``[B, T - 1, V]`` of each next token of ``tokens [B, T]`` (float32 master params
     cast to ``compute_dtype``)."""
     logits = family(config).forward(config, cast_floats(params, compute_dtype), tokens[:, :-1], attention=attention)
-    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jax.nn.log_softmax(logits, axis=-1)  # (the LM head accumulates logits in float32)
 
 
 def lm_loss(config: ModelConfig, params, tokens, *, attention: str = "dense", compute_dtype=jnp.bfloat16,

@@ -115,7 +115,6 @@ def span_parser(option: str):
     return parse
 
 
-
 #: the ModelConfig fields an ``--init-target`` checkpoint must share with :func:`demo_target_config`
 INIT_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
@@ -326,8 +325,7 @@ def check_settings(args) -> tuple[list[int], list[str]]:
                 recall_noise=args.recall_noise, recall_distance=args.recall_distance,
                 recall_random=args.recall_random, vocab_size=args.vocab)
     check_int(args.loop_rows, "--loop-rows", min=0)
-    if args.loop_rows:
-        _loops(args, TokenStream([], 0))
+    _loops(args, TokenStream([], 0))
     if args.dedup_lines is not None:
         LineDeduplicator(args.dedup_lines)
     check_int(args.vocab, "--vocab", min=MIN_VOCAB, hint=" (the 256 byte tokens and 2 special tokens at least)")
