@@ -87,11 +87,16 @@ class TokenStream:
             language prior predicts, so the only way to predict its copy is to find the passage and read it (the
             induction a real LLM does on identifiers, hashes and numbers it has seen once).
         vocab_size: the tokenizer's vocabulary (required when ``recall_random`` > 0).
+        recall_uniform: draw each recall span's distance uniformly over what the window allows (from
+            ``recall_distance`` up), then place it (default False: the source, then the copy, uniform, which makes
+            short distances common and the longest rare). A target meant to copy from 14K tokens back in a 16K window
+            sees such distances about ten times as often with it.
     """
 
     def __init__(self, documents: list[np.ndarray], eos_id: int, recall_fraction: float = 0.0,
                  recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.0,
-                 recall_distance: float = 0.0, recall_random: float = 0.0, vocab_size: int | None = None):
+                 recall_distance: float = 0.0, recall_random: float = 0.0, vocab_size: int | None = None,
+                 recall_uniform: bool = False):
         for name, value in (("recall_fraction", recall_fraction), ("recall_distance", recall_distance),
                             ("recall_noise", recall_noise), ("recall_random", recall_random)):
             check_real(value, name)
@@ -123,6 +128,7 @@ class TokenStream:
         self.recall_distance = float(recall_distance)
         self.recall_random = float(recall_random)
         self.vocab_size = vocab_size
+        self.recall_uniform = bool(recall_uniform)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -136,7 +142,7 @@ class TokenStream:
         out = np.stack([self.tokens[s:s + length] for s in starts])
         if self.recall_fraction > 0:
             for row in out:
-                span = (recall_span_of(rng, length, self.recall_span, self.recall_distance)
+                span = (recall_span_of(rng, length, self.recall_span, self.recall_distance, self.recall_uniform)
                         if rng.random() < self.recall_fraction else None)
                 if span is not None:
                     src, dst, n = span
@@ -148,18 +154,22 @@ class TokenStream:
         return out
 
 
-def recall_span_of(rng: np.random.Generator, length: int, span: tuple[int, int], min_distance: float = 0.0
-                   ) -> tuple[int, int, int] | None:
+def recall_span_of(rng: np.random.Generator, length: int, span: tuple[int, int], min_distance: float = 0.0,
+                   uniform_distance: bool = False) -> tuple[int, int, int] | None:
     """(source, destination, tokens) of one recall span in a window of ``length`` tokens: the passage
     ``[source, source + tokens)`` is copied to ``[destination, destination + tokens)``, entirely after it and at
     least ``ceil(min_distance * length)`` tokens after its start (``min_distance`` <= 0.75); the source, then the
-    destination, are uniform over what the window allows. None when the window is too short for the shortest
-    span."""
+    destination, are uniform over what the window allows, or with ``uniform_distance`` the distance is, then the
+    source. None when the window is too short for the shortest span."""
     longest = min(span[1], length // 4)
     if longest < span[0]:
         return None
     n = int(rng.integers(span[0], longest + 1))
     gap = max(n, math.ceil(min_distance * length))
+    if uniform_distance:
+        distance = int(rng.integers(gap, length - n + 1))
+        src = int(rng.integers(0, length - n - distance + 1))
+        return src, src + distance, n
     src = int(rng.integers(0, length - n - gap + 1))
     dst = int(rng.integers(src + gap, length - n + 1))
     return src, dst, n
@@ -203,6 +213,10 @@ class LoopWindows:
         check_real(self.weight, "loop weight", min=0.0)
 
     def batch(self, step: int, batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray]:
+        return {"tokens": self.stream.batch(step, batch, length, seed), **self.rows_at(step, seed)}
+
+    def rows_at(self, step: int, seed: int = 0) -> dict[str, np.ndarray]:
+        """This step's loop rows alone: ``{"loop", "period"}`` as in :meth:`batch`."""
         size = self.loop_len + 1  # the model reads loop_len tokens and predicts the next of each
         loop = self.stream.batch(step, self.rows, size, seed=seed + 7919)  # other windows than tokens'
         period = np.zeros_like(loop)
@@ -213,7 +227,7 @@ class LoopWindows:
             tail = np.resize(row[start - n:start], size - start)  # the period before, tiled
             row[start:] = tail
             per[start:] = n
-        return {"tokens": self.stream.batch(step, batch, length, seed), "loop": loop, "period": period}
+        return {"loop": loop, "period": period}
 
 
 def loop_loss(logp, tokens, period, decay: float):
@@ -232,6 +246,87 @@ def loop_loss(logp, tokens, period, decay: float):
     mask = (n > 0) & (t - n >= 0)
     term = -jnp.log(jnp.clip(1.0 - jnp.abs(p - decay * earlier), 1e-6, 1.0))
     return jnp.sum(jnp.where(mask, term, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+
+
+@dataclass(frozen=True)
+class GreedyUnlikelihood:
+    """Sequence-level unlikelihood on the model's **own greedy writing**, against greedy loops (after Welleck et
+    al., "Neural Text Generation with Unlikelihood Training", ICLR 2020, in our own form).
+
+    Each training step draws ``rows`` windows of ``context`` tokens from ``stream`` as prompts; the model being
+    trained continues each greedily for ``new_tokens`` tokens (inside the jitted step, from its current weights,
+    no gradient through the choice); every generated token that completes an ``ngram``-gram already generated
+    earlier in the same continuation is a negative, and :func:`greedy_unlikelihood_loss` adds
+    ``-log(1 - p(token))`` for it. Unlike :class:`LoopWindows`, whose loops are constructed, these are the loops the
+    model really falls into, of whatever period. Repeats of the prompt are not negatives (copying earlier context
+    is what the recall spans teach).
+
+    Cost: ``new_tokens`` forward passes over ``rows x (context + new_tokens)`` tokens per step.
+    """
+
+    stream: TokenStream
+    rows: int = 4
+    context: int = 256
+    new_tokens: int = 64
+    ngram: int = 4
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_int(self.rows, "unlikelihood rows", min=1)
+        check_int(self.context, "unlikelihood context", min=1)
+        check_int(self.new_tokens, "unlikelihood new_tokens", min=2)
+        check_int(self.ngram, "unlikelihood ngram", min=1, max=self.new_tokens - 1,
+                  hint=" (an n-gram must fit twice in the continuation)")
+        check_real(self.weight, "unlikelihood weight", min=0.0)
+
+    def rows_at(self, step: int, seed: int = 0) -> dict[str, np.ndarray]:
+        """This step's prompts: ``{"prompts": int32 [rows, context]}`` (other windows than the LM batch's)."""
+        return {"prompts": self.stream.batch(step, self.rows, self.context, seed=seed + 104729)}
+
+
+def repeated_ngrams(tokens, n: int):
+    """bool ``[R, N]``: token i of each row completes an ``n``-gram (tokens ``i - n + 1 .. i``) that also ends at
+    some earlier j < i of the same row (``tokens``: int ``[R, N]``)."""
+    N = tokens.shape[1]
+    same = tokens[:, :, None] == tokens[:, None, :]  # [R, i, j]
+    run = same
+    for k in range(1, n):  # token i - k equals token j - k, for every k < n
+        run = run & jnp.pad(same, ((0, 0), (k, 0), (k, 0)))[:, :N, :N]
+    i = jnp.arange(N)[:, None]
+    j = jnp.arange(N)[None, :]
+    return jnp.any(run & (j < i) & (j >= n - 1), axis=2)
+
+
+def greedy_continuation(config: ModelConfig, params, prompts, new_tokens: int, *, compute_dtype=jnp.bfloat16):
+    """int ``[R, new_tokens]`` greedy continuations of ``prompts [R, C]`` (one dense-attention forward per token
+    over a fixed ``C + new_tokens`` buffer; causal attention makes the unwritten tail irrelevant). No gradient."""
+    R, C = prompts.shape
+    p = cast_floats(jax.lax.stop_gradient(params), compute_dtype)
+    buf = jnp.concatenate([prompts, jnp.zeros((R, new_tokens), prompts.dtype)], axis=1)
+    fwd = family(config).forward
+
+    def body(i, buf):
+        logits = fwd(config, p, buf, attention="dense")  # [R, C + new, V]
+        nxt = jnp.argmax(jax.lax.dynamic_index_in_dim(logits, C - 1 + i, axis=1, keepdims=False), axis=-1)
+        return jax.lax.dynamic_update_index_in_dim(buf, nxt.astype(buf.dtype), C + i, axis=1)
+
+    return jax.lax.fori_loop(0, new_tokens, body, buf)[:, C:]
+
+
+def greedy_unlikelihood_loss(logp, generated, n: int):
+    """-log(1 - p) mean over the generated tokens that repeat an ``n``-gram of their own continuation.
+
+    Args:
+        logp: float ``[R, N, V]``: the log-probabilities the model gives each generated token's position.
+        generated: int ``[R, N]`` greedy tokens.
+    Returns:
+        (penalty, share of generated tokens that repeat an n-gram) as scalars.
+    """
+    rep = repeated_ngrams(generated, n)
+    p = jnp.exp(jnp.take_along_axis(logp, generated[..., None], axis=-1)[..., 0])
+    term = -jnp.log(jnp.clip(1.0 - p, 1e-6, 1.0))
+    return jnp.sum(jnp.where(rep, term, 0.0)) / jnp.maximum(jnp.sum(rep), 1), jnp.mean(rep)
 
 
 @struct.dataclass
@@ -382,31 +477,63 @@ def next_logp(config: ModelConfig, params, tokens, *, attention: str = "dense", 
 
 
 def lm_loss(config: ModelConfig, params, tokens, *, attention: str = "dense", compute_dtype=jnp.bfloat16,
-            loops: LoopWindows | None = None):
-    """Mean next-token cross-entropy of ``tokens [B, T]``; with ``loops``, ``tokens`` is a :class:`LoopWindows`
-    batch and ``loops.weight`` x :func:`loop_loss` of its loop rows is added."""
+            loops: LoopWindows | None = None, unlikelihood: GreedyUnlikelihood | None = None):
+    """Mean next-token cross-entropy of ``tokens [B, T]``.
+
+    With ``loops`` or ``unlikelihood``, ``tokens`` is an :class:`Objectives` batch (``{"tokens": [B, T], ...}``)
+    and ``loops.weight`` x :func:`loop_loss` of its loop rows, ``unlikelihood.weight`` x
+    :func:`greedy_unlikelihood_loss` of the model's greedy continuations of its prompts, are added.
+    """
     batch = tokens
-    tokens = batch["tokens"] if loops is not None else batch
+    tokens = batch["tokens"] if isinstance(batch, dict) else batch
     logp = next_logp(config, params, tokens, attention=attention, compute_dtype=compute_dtype)
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
     loss = jnp.mean(nll)
     metrics = {"perplexity": jnp.exp(loss)}
-    if loops is None:
-        return loss, metrics
-    penalty = loop_loss(next_logp(config, params, batch["loop"], attention=attention, compute_dtype=compute_dtype),
-                        batch["loop"], batch["period"], loops.decay)
-    return loss + loops.weight * penalty, {**metrics, "loop_loss": penalty}
+    if loops is not None:
+        penalty = loop_loss(next_logp(config, params, batch["loop"], attention=attention,
+                                      compute_dtype=compute_dtype), batch["loop"], batch["period"], loops.decay)
+        loss, metrics = loss + loops.weight * penalty, {**metrics, "loop_loss": penalty}
+    if unlikelihood is not None:
+        prompts = batch["prompts"]
+        gen = greedy_continuation(config, params, prompts, unlikelihood.new_tokens, compute_dtype=compute_dtype)
+        seq = jnp.concatenate([prompts, gen], axis=1)
+        logits = family(config).forward(config, cast_floats(params, compute_dtype), seq, attention="dense")
+        logp_gen = jax.nn.log_softmax(logits[:, prompts.shape[1] - 1:-1], axis=-1)  # predicts each generated token
+        penalty, share = greedy_unlikelihood_loss(logp_gen, gen, unlikelihood.ngram)
+        loss = loss + unlikelihood.weight * penalty
+        metrics = {**metrics, "unlikelihood_loss": penalty, "greedy_repeat_share": share}
+    return loss, metrics
+
+
+class Objectives:
+    """The batches :func:`train_target` trains on: ``stream``'s windows as ``{"tokens": ...}`` plus each extra
+    objective's rows for the step (:meth:`LoopWindows.rows_at`, :meth:`GreedyUnlikelihood.rows_at`), all a
+    deterministic function of (seed, step)."""
+
+    def __init__(self, stream: TokenStream, *extras):
+        self.stream, self.extras = stream, [e for e in extras if e is not None]
+
+    def batch(self, step: int, batch: int, length: int, seed: int = 0) -> dict[str, np.ndarray] | np.ndarray:
+        tokens = self.stream.batch(step, batch, length, seed)
+        if not self.extras:
+            return tokens
+        out = {"tokens": tokens}
+        for extra in self.extras:
+            out.update(extra.rows_at(step, seed))
+        return out
 
 
 def train_target(config: ModelConfig, stream: TokenStream, *, steps: int, batch: int, seq_len: int,
                  optim: OptimConfig | None = None, ckpt_dir: str | Path | None = None, seed: int = 0,
                  attention: str = "dense", compute_dtype=jnp.bfloat16, init_scale: float | None = None,
                  eval_stream: TokenStream | None = None, eval_every: int = 0, log_every: int = 20,
-                 progress: bool = True, params: dict | None = None,
-                 loops: LoopWindows | None = None) -> tuple[dict, list[dict]]:
+                 progress: bool = True, params: dict | None = None, loops: LoopWindows | None = None,
+                 unlikelihood: GreedyUnlikelihood | None = None) -> tuple[dict, list[dict]]:
     """Train a Llama-architecture target on ``stream`` windows of ``seq_len + 1`` tokens, from scratch or from
     ``params`` (float32, e.g. an earlier phase on shorter windows); with ``loops`` (a :class:`LoopWindows` over
-    ``stream``), its loop rows are trained out of repeating themselves beside them.
+    ``stream``), its loop rows are trained out of repeating themselves beside them; with ``unlikelihood`` (a
+    :class:`GreedyUnlikelihood` over ``stream``), so is its own greedy writing.
 
     Returns float32 params (export with :func:`checkpoints_tools.hf.save_hf`) and the training history.
     """
@@ -418,10 +545,11 @@ def train_target(config: ModelConfig, stream: TokenStream, *, steps: int, batch:
         params = family(config).init_params(config, seed=seed, dtype=jnp.float32, scale=scale)
         params = jax.tree_util.tree_map(
             lambda p: jnp.ones_like(p) if p.ndim == 1 else p, params)  # norm weights start at 1 for training
-    if loops is not None and loops.stream is not stream:
-        raise ConfigError("loops must draw its windows from the stream being trained on")
+    for name, extra in (("loops", loops), ("unlikelihood", unlikelihood)):
+        if extra is not None and extra.stream is not stream:
+            raise ConfigError(f"{name} must draw its windows from the stream being trained on")
     loss_fn = lambda p, _, toks: lm_loss(config, p, toks, attention=attention, compute_dtype=compute_dtype,  # noqa
-                                         loops=loops)
+                                         loops=loops, unlikelihood=unlikelihood)
     eval_loss_fn = lambda p, toks: lm_loss(config, p, toks, attention=attention,  # noqa: E731
                                            compute_dtype=compute_dtype)[0]
 
@@ -430,6 +558,6 @@ def train_target(config: ModelConfig, stream: TokenStream, *, steps: int, batch:
         held = jnp.asarray(eval_stream.batch(0, batch, seq_len + 1, seed=seed + 1))
         eval_loss = jax.jit(lambda p: eval_loss_fn(p, held))
         eval_fn = lambda p: {"eval_loss": float(eval_loss(p))}  # noqa: E731
-    return train_loop(loss_fn, params, loops or stream, steps=steps, batch=batch, length=seq_len + 1, optim=optim,
+    return train_loop(loss_fn, params, Objectives(stream, loops, unlikelihood), steps=steps, batch=batch, length=seq_len + 1, optim=optim,
                       ckpt_dir=ckpt_dir, seed=seed, eval_fn=eval_fn, eval_every=eval_every, log_every=log_every,
                       progress=progress)

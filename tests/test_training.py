@@ -313,6 +313,15 @@ def test_recall_span_bounds_and_config_errors():
         assert 5 <= n <= 40 and src >= 0 and dst - src >= 600 and dst + n <= 1000
         dists.append(dst - src)
     assert max(dists) > 900 and min(dists) < 640  # the allowed distances are all drawn
+    share_far = {}
+    for uniform in (False, True):
+        far = []
+        for _ in range(600):
+            src, dst, n = recall_span_of(rng, 1000, (5, 40), min_distance=0.1, uniform_distance=uniform)
+            assert 5 <= n <= 40 and src >= 0 and dst - src >= 100 and dst + n <= 1000
+            far.append(dst - src)
+        share_far[uniform] = np.mean(np.array(far) >= 800)
+    assert share_far[True] > 0.15 > 0.06 > share_far[False]  # uniform distances: far copies as common as near ones
     src, dst, n = recall_span_of(rng, 1000, (250, 250), min_distance=0.75)  # the tightest fit
     assert (src, dst, n) == (0, 750, 250)
     docs = [np.arange(1, 100, dtype=np.int32)]
@@ -387,6 +396,48 @@ def test_loop_rows_repeat_their_period_and_the_penalty_matches_numpy(corpus_stre
         train_target(cfg, stream, steps=1, batch=1, seq_len=16, progress=False,
                      loops=LoopWindows(TokenStream([np.arange(1, 99, dtype=np.int32)], 0), loop_len=16,
                                        loop_span=(1, 4)))
+
+
+
+def test_greedy_unlikelihood_marks_its_own_repeats_and_matches_generate(corpus_stream, trained_target):
+    """GreedyUnlikelihood: greedy_continuation equals the library's target-only greedy generate(); repeated_ngrams
+    and the penalty against NumPy loops; one training step carries it (history's metrics)."""
+    from checkpoints_tools.make_tiny import tiny_config
+    from diffspec_jax.errors import ConfigError
+    from diffspec_jax.training import (GreedyUnlikelihood, Objectives, greedy_continuation,
+                                       greedy_unlikelihood_loss, repeated_ngrams)
+
+    tok, stream, _ = corpus_stream
+    model, _ = trained_target
+    unl = GreedyUnlikelihood(stream, rows=3, context=24, new_tokens=20)
+    prompts = unl.rows_at(5, seed=2)["prompts"]
+    assert prompts.shape == (3, 24) and np.array_equal(prompts, unl.rows_at(5, seed=2)["prompts"])
+    got = np.asarray(greedy_continuation(model.config, model.params, jnp.asarray(prompts), 20,
+                                         compute_dtype=jnp.float32))
+    ref = generate(model, None, [list(map(int, r)) for r in prompts], max_new_tokens=20, stop_token_ids=())
+    assert got.tolist() == [list(t) for t in ref.tokens]
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, 3, (4, 30))  # three symbols: 2-grams and 3-grams repeat often, not always
+    for n in (1, 2, 3):
+        want = np.array([[i >= n - 1 and any(list(r[i - n + 1:i + 1]) == list(r[j - n + 1:j + 1])
+                                             for j in range(n - 1, i)) for i in range(30)] for r in toks])
+        mask = np.asarray(repeated_ngrams(jnp.asarray(toks), n))
+        assert np.array_equal(mask, want) and 0 < want.mean() < 1
+    logits = rng.normal(0, 3, (4, 30, 5))
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    rep = np.asarray(repeated_ngrams(jnp.asarray(toks), 2))
+    p = np.exp(np.take_along_axis(logp, toks[..., None], -1)[..., 0])
+    penalty, share = greedy_unlikelihood_loss(jnp.asarray(logp, jnp.float32), jnp.asarray(toks), 2)
+    assert float(penalty) == pytest.approx(-np.log(1 - p[rep]).mean(), rel=1e-4)
+    assert float(share) == pytest.approx(rep.mean())
+    b = Objectives(stream, unl).batch(5, 2, 40, seed=2)
+    assert np.array_equal(b["tokens"], stream.batch(5, 2, 40, seed=2)) and np.array_equal(b["prompts"], prompts)
+    cfg = tiny_config("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    _, hist = train_target(cfg, stream, steps=2, batch=2, seq_len=32, progress=False, log_every=1,
+                           unlikelihood=GreedyUnlikelihood(stream, rows=2, context=16, new_tokens=24, ngram=2))
+    assert all(row["unlikelihood_loss"] > 0 and 0 < row["greedy_repeat_share"] <= 1 for row in hist)
+    with pytest.raises(ConfigError, match="ngram"):
+        GreedyUnlikelihood(stream, new_tokens=8, ngram=8)
 
 
 def test_build_curriculum_option():

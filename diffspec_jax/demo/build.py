@@ -59,7 +59,7 @@ from diffspec_jax.errors import CheckpointError, ConfigError
 from diffspec_jax.outdir import OutputDir
 from diffspec_jax.target import TargetModel, load_target
 from diffspec_jax.train_draft import export_draft, train_draft
-from diffspec_jax.training import LoopWindows, OptimConfig, TokenStream, train_target
+from diffspec_jax.training import GreedyUnlikelihood, LoopWindows, OptimConfig, TokenStream, train_target
 from diffspec_jax.validation import ArgumentParser, check_choice, check_int, run_main
 
 #: the pair's chat template (written as ``target/chat_template.jinja``): the target is a small model of Python
@@ -209,6 +209,7 @@ def model_card_markdown(card: dict) -> str:
            f"{t['recall_span'][0]}-{t['recall_span'][1]} tokens ({t['recall_noise']:.0%} of its tokens replaced "
            "first) to a later place in the same window"
            + (f", at least {t['recall_distance']:.0%} of the window after it" if t.get("recall_distance") else "")
+           + (" (distance drawn uniformly)" if t.get("recall_uniform_distance") else "")
            + (f"; {t['recall_random']:.0%} of the passages are uniform random token ids" if t.get("recall_random")
               else "")
            + "."] if t.get("recall_fraction") else []),
@@ -216,6 +217,10 @@ def model_card_markdown(card: dict) -> str:
            f"a line of {t['loops']['span'][0]}-{t['loops']['span'][1]} tokens; each repetition is trained to "
            f"{t['loops']['decay']:g}x the probability of the one before (weight {t['loops']['weight']:g}), against "
            "greedy loops."] if t.get("loops") else []),
+        *([f"- Greedy unlikelihood: each step the target continues {t['unlikelihood']['rows']} prompts of "
+           f"{t['unlikelihood']['context']} tokens greedily for {t['unlikelihood']['new_tokens']} tokens; each token "
+           f"that repeats a {t['unlikelihood']['ngram']}-gram of its own continuation is trained down "
+           f"(-log(1 - p), weight {t['unlikelihood']['weight']:g})."] if t.get("unlikelihood") else []),
         f"- sha256 of the training text {d['train_sha256']}, of the held-out text {d['held_out_sha256']}; "
         "file lists in `corpus_files.json`.",
         f"- Tokenizer: byte-level BPE, vocabulary {card['tokenizer']['vocab_size']} (`target/tokenizer.json`).", "",
@@ -285,6 +290,8 @@ def build_parser() -> ArgumentParser:
                     help="shortest,longest recall span (tokens)")
     ap.add_argument("--recall-distance", type=float, default=0.0,
                     help="shortest distance from a recall passage to its copy, as a share of the window (0-0.75)")
+    ap.add_argument("--recall-uniform-distance", action="store_true",
+                    help="draw each recall span's distance uniformly (far copies as common as near ones)")
     ap.add_argument("--recall-noise", type=float, default=0.0, help="share of a recall passage's tokens replaced")
     ap.add_argument("--recall-random", type=float, default=0.0,
                     help="share of recall passages made of uniform random token ids (copyable only by reading them)")
@@ -296,6 +303,15 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--loop-decay", type=float, default=0.5,
                     help="each repetition's probability over the one before it, as the loop rows teach")
     ap.add_argument("--loop-weight", type=float, default=1.0, help="weight of the loop penalty beside the LM loss")
+    ap.add_argument("--unlikelihood-rows", type=int, default=0,
+                    help="prompts per target step that the target continues greedily, its repeated 4-grams trained "
+                         "down (0: off; GreedyUnlikelihood)")
+    ap.add_argument("--unlikelihood-context", type=int, default=GreedyUnlikelihood.context,
+                    help="tokens per unlikelihood prompt")
+    ap.add_argument("--unlikelihood-new-tokens", type=int, default=GreedyUnlikelihood.new_tokens,
+                    help="greedy tokens per unlikelihood prompt")
+    ap.add_argument("--unlikelihood-weight", type=float, default=1.0,
+                    help="weight of the unlikelihood penalty beside the LM loss")
     ap.add_argument("--draft-steps", type=int, default=800)
     ap.add_argument("--draft-batch", type=int, default=8)
     ap.add_argument("--draft-seq-len", type=int, default=2048)
@@ -323,9 +339,12 @@ def check_settings(args) -> tuple[list[int], list[str]]:
     first bad one). Returns the evaluation contexts and workloads."""
     TokenStream([], 0, recall_fraction=args.recall_fraction, recall_span=args.recall_span,
                 recall_noise=args.recall_noise, recall_distance=args.recall_distance,
-                recall_random=args.recall_random, vocab_size=args.vocab)
+                recall_random=args.recall_random, vocab_size=args.vocab,
+                recall_uniform=args.recall_uniform_distance)
     check_int(args.loop_rows, "--loop-rows", min=0)
+    check_int(args.unlikelihood_rows, "--unlikelihood-rows", min=0)
     _loops(args, TokenStream([], 0))
+    _unlikelihood(args, TokenStream([], 0))
     if args.dedup_lines is not None:
         LineDeduplicator(args.dedup_lines)
     check_int(args.vocab, "--vocab", min=MIN_VOCAB, hint=" (the 256 byte tokens and 2 special tokens at least)")
@@ -368,6 +387,14 @@ def _loops(args, stream: TokenStream) -> LoopWindows | None:
                        decay=args.loop_decay, weight=args.loop_weight)
 
 
+def _unlikelihood(args, stream: TokenStream) -> GreedyUnlikelihood | None:
+    """The target's greedy-unlikelihood prompts (``--unlikelihood-rows``; None when 0)."""
+    if not args.unlikelihood_rows:
+        return None
+    return GreedyUnlikelihood(stream, rows=args.unlikelihood_rows, context=args.unlikelihood_context,
+                              new_tokens=args.unlikelihood_new_tokens, weight=args.unlikelihood_weight)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build the pair into ``--out``. Deliberate errors are raised (``python -m`` prints them as one line)."""
     args = build_parser().parse_args(argv)
@@ -408,7 +435,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     train_stream = TokenStream(encode(corpus.train), eos, recall_fraction=args.recall_fraction,
                                recall_span=args.recall_span, recall_noise=args.recall_noise,
                                recall_distance=args.recall_distance, recall_random=args.recall_random,
-                               vocab_size=len(tok))
+                               vocab_size=len(tok), recall_uniform=args.recall_uniform_distance)
     held_enc = encode_documents(tok, corpus.held_out)
     held_docs = {e.name: e.ids for e in held_enc}
     held_stream = TokenStream(list(held_docs.values()), eos)
@@ -417,7 +444,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     card["tokenizer"] = {"type": "byte-level BPE", "vocab_size": len(tok)}
 
     tcfg = demo_target_config(len(tok), eos, max_len=max(32768, 2 * args.seq_len))
-    loops = _loops(args, train_stream)
+    loops, unlikelihood = _loops(args, train_stream), _unlikelihood(args, train_stream)
     t0 = time.perf_counter()
     phases = []
     for seq_len, batch, steps in args.curriculum:
@@ -425,7 +452,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
             tcfg, train_stream, params=params, steps=steps, batch=batch, seq_len=seq_len,
             optim=OptimConfig(lr=3e-3, warmup_steps=max(1, steps // 20), total_steps=steps),
             seed=args.seed + len(phases) + 1, attention=args.attention, log_every=max(1, steps // 20),
-            progress=False, loops=loops)
+            progress=False, loops=loops, unlikelihood=unlikelihood)
         for row in hist:
             print(f"target-{seq_len}", json.dumps(row), flush=True)
         phases.append({"seq_len": seq_len, "batch": batch, "steps": steps, "final": hist[-1], "history": hist})
@@ -434,7 +461,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
         optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.target_steps // 20), total_steps=args.target_steps),
         ckpt_dir=out / "ckpt_target", seed=args.seed, attention=args.attention, eval_stream=held_stream,
         eval_every=max(1, args.target_steps // 4), log_every=max(1, args.target_steps // 20), progress=False,
-        loops=loops)
+        loops=loops, unlikelihood=unlikelihood)
     for row in t_hist:
         print("target", json.dumps(row), flush=True)
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
@@ -442,8 +469,12 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
                       "seq_len": args.seq_len, "recall_fraction": args.recall_fraction,
                       "recall_span": list(args.recall_span), "recall_noise": args.recall_noise,
                       "recall_distance": args.recall_distance, "recall_random": args.recall_random,
+                      "recall_uniform_distance": args.recall_uniform_distance,
                       "loops": ({"rows": loops.rows, "loop_len": loops.loop_len, "span": list(loops.loop_span),
                                  "decay": loops.decay, "weight": loops.weight} if loops else None),
+                      "unlikelihood": ({"rows": unlikelihood.rows, "context": unlikelihood.context,
+                                        "new_tokens": unlikelihood.new_tokens, "ngram": unlikelihood.ngram,
+                                        "weight": unlikelihood.weight} if unlikelihood else None),
                       "curriculum": phases,
                       "init_target": init,
                       "train_seconds": time.perf_counter() - t0,
