@@ -22,6 +22,10 @@ from diffspec_jax.errors import OutputDirError
 from diffspec_jax.outdir import OutputFile, png_metadata
 
 REPO = Path(__file__).resolve().parents[1]
+# Run as `python benchmarks/X.py`, Python puts this folder first on sys.path, where a script's module name would
+# shadow an installed package of that name: transformers 5.2x finds our kernels.py as the `kernels` package and then
+# fails to import from it. Every script imports this module before transformers, so the folder is dropped here.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 def environment(argv: Sequence[str]) -> dict[str, Any]:

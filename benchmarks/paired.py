@@ -269,7 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ngram-max-n", type=int, default=3, help="ngram methods: the longest suffix matched")
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--interval", type=int, default=4)
+    ap.add_argument("--interval", type=int, default=None,
+                    help="DiffSpec retrieval interval (default: the drafter's, 1 self-drafting, 4 a draft model)")
     ap.add_argument("--scoring-layer", type=int, default=None, help="target layer that scores chunks (default: last)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tie-tolerance", type=float, default=None)

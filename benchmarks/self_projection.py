@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (REPO, add_output_arguments, claim_outputs, environment, reference_line,  # noqa: E402
                                save_figure, write_json)
+from diffspec_jax.config import SELF_DRAFT_INTERVAL  # noqa: E402
 
 NOTE = ("step times from long_context.py --draft self (Llama-3.1-8B shapes, random weights), acceptance from "
         "paired.py --draft self on a trained target; self-diffspec pays a retrieval and a rebuild every N cycles, N "
@@ -53,7 +54,9 @@ def acceptance_of(path: Path) -> dict:
             "self-recent": case["methods"]["self-recent"]["mean_acceptance_length"]["median"],
             "comparison": case.get("comparisons", {}).get("self-diffspec vs self-recent"),
             "context": case["context"], "workload": s.get("workload"), "budget": s["budget"], "k": s["k"],
-            "interval": s["interval"], "target": s.get("target"), "temperature": s.get("temperature", 0.0),
+            # a run that left the interval at the drafter's default (None) retrieved every SELF_DRAFT_INTERVAL cycles
+            "interval": s["interval"] or SELF_DRAFT_INTERVAL, "target": s.get("target"),
+            "temperature": s.get("temperature", 0.0),
             "source": _rel(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 

@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from flax import struct
 from tqdm.auto import tqdm
 
+from diffspec_jax.cache import create_cache
 from diffspec_jax.config import ModelConfig
 from diffspec_jax.errors import ConfigError
 from diffspec_jax.models import family
@@ -262,7 +263,8 @@ class GreedyUnlikelihood:
     model really falls into, of whatever period. Repeats of the prompt are not negatives (copying earlier context
     is what the recall spans teach).
 
-    Cost: ``new_tokens`` forward passes over ``rows x (context + new_tokens)`` tokens per step.
+    Cost per step: a prefill of ``rows x context`` tokens and ``new_tokens`` single-token decode steps (with a
+    K/V cache), then one forward pass over ``rows x (context + new_tokens)`` for the penalty's gradient.
     """
 
     stream: TokenStream
@@ -299,19 +301,27 @@ def repeated_ngrams(tokens, n: int):
 
 
 def greedy_continuation(config: ModelConfig, params, prompts, new_tokens: int, *, compute_dtype=jnp.bfloat16):
-    """int ``[R, new_tokens]`` greedy continuations of ``prompts [R, C]`` (one dense-attention forward per token
-    over a fixed ``C + new_tokens`` buffer; causal attention makes the unwritten tail irrelevant). No gradient."""
+    """int ``[R, new_tokens]`` greedy continuations of ``prompts [R, C]`` with a K/V cache: one prefill step over the
+    prompts, then one single-token step per generated token (the engine's own :func:`step`), so a long prompt
+    costs one forward pass rather than one per token. No gradient."""
     R, C = prompts.shape
     p = cast_floats(jax.lax.stop_gradient(params), compute_dtype)
-    buf = jnp.concatenate([prompts, jnp.zeros((R, new_tokens), prompts.dtype)], axis=1)
-    fwd = family(config).forward
+    step = family(config).step
+    cache = create_cache(config, R, C + new_tokens, compute_dtype)
+    out, cache = step(config, p, cache, prompts.astype(jnp.int32), jnp.zeros((R,), jnp.int32),
+                      jnp.full((R, 1), C - 1, jnp.int32), first_chunk=True)
+    first = jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32)
+    zero_row = jnp.zeros((R, 1), jnp.int32)
 
-    def body(i, buf):
-        logits = fwd(config, p, buf, attention="dense")  # [R, C + new, V]
-        nxt = jnp.argmax(jax.lax.dynamic_index_in_dim(logits, C - 1 + i, axis=1, keepdims=False), axis=-1)
-        return jax.lax.dynamic_update_index_in_dim(buf, nxt.astype(buf.dtype), C + i, axis=1)
+    def body(i, carry):
+        cache, tok, gen = carry
+        gen = jax.lax.dynamic_update_index_in_dim(gen, tok, i, axis=1)
+        out, cache = step(config, p, cache, tok[:, None], jnp.full((R,), C + i, jnp.int32), zero_row)
+        return cache, jnp.argmax(out.logits[:, 0], axis=-1).astype(jnp.int32), gen
 
-    return jax.lax.fori_loop(0, new_tokens, body, buf)[:, C:]
+    gen = jnp.zeros((R, new_tokens), jnp.int32)
+    _, last, gen = jax.lax.fori_loop(0, new_tokens - 1, body, (cache, first, gen))
+    return jax.lax.dynamic_update_index_in_dim(gen, last, new_tokens - 1, axis=1).astype(prompts.dtype)
 
 
 def greedy_unlikelihood_loss(logp, generated, n: int):
@@ -558,6 +568,6 @@ def train_target(config: ModelConfig, stream: TokenStream, *, steps: int, batch:
         held = jnp.asarray(eval_stream.batch(0, batch, seq_len + 1, seed=seed + 1))
         eval_loss = jax.jit(lambda p: eval_loss_fn(p, held))
         eval_fn = lambda p: {"eval_loss": float(eval_loss(p))}  # noqa: E731
-    return train_loop(loss_fn, params, Objectives(stream, loops, unlikelihood), steps=steps, batch=batch, length=seq_len + 1, optim=optim,
-                      ckpt_dir=ckpt_dir, seed=seed, eval_fn=eval_fn, eval_every=eval_every, log_every=log_every,
-                      progress=progress)
+    return train_loop(loss_fn, params, Objectives(stream, loops, unlikelihood), steps=steps, batch=batch,
+                      length=seq_len + 1, optim=optim, ckpt_dir=ckpt_dir, seed=seed, eval_fn=eval_fn,
+                      eval_every=eval_every, log_every=log_every, progress=progress)

@@ -457,7 +457,7 @@ def test_self_projection_formula_and_files(tmp_path):
                                     "cases": [{"context": 4096, "methods": {}}, case]}))
         return path
 
-    every, fourth = paired_json("a.json", 1, 4.4, 4.0), paired_json("b.json", 4, 3.0, 2.5)
+    every, fourth = paired_json("a.json", None, 4.4, 4.0), paired_json("b.json", 4, 3.0, 2.5)
     out = tmp_path / "proj.json"
     assert self_projection.main(["--steps", str(tmp_path / "steps.json"), "--acceptance", f"every={every}",
                                  "--acceptance", f"fourth={fourth}", "--out", str(out)]) == 0
@@ -624,3 +624,20 @@ def test_kv_fp8_kernel_sweep_tiny(tmp_path, monkeypatch):
     assert len(cell["max_diff_vs_first_fp8"]) == len(kv_fp8_kernel_sweep.SHORT)
     assert max(cell["max_diff_vs_first_fp8"].values()) < 2e-2  # bf16 vs float16 operands, bf16 outputs
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_scripts_run_from_their_folder_do_not_shadow_installed_packages():
+    """`python benchmarks/X.py` puts benchmarks/ first on sys.path; benchmarks.common drops it, so transformers (which
+    probes for a `kernels` package) does not pick up benchmarks/kernels.py (copy_probe.py failed this way)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]; import benchmarks.common; "
+            "import importlib.util; spec = importlib.util.find_spec('kernels'); "
+            "assert spec is None or 'benchmarks' not in str(spec.origin), spec.origin; "
+            "from transformers import LlamaConfig")
+    run = subprocess.run([sys.executable, "-c", code, str(repo / "benchmarks"), str(repo)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -192,3 +192,6 @@ def test_model_card_describes_curriculum_recall_spans_dedup_and_continued_traini
     rebuild = md[md.index("## Rebuild"):].splitlines()
     assert rebuild[3] == "python -m diffspec_jax.demo.build --out b5 --x"
     assert rebuild[4] == card["commands"]["build"]
+    card["target"].update(steps=0, curriculum=[], final=None)  # --target-steps 0: a new draft for b5's target
+    assert ("KV heads, kept as it is from `b5/target` (15300 earlier steps); this build did not train it. Stored in "
+            "bfloat16.") in model_card_markdown(card)

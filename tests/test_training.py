@@ -506,7 +506,11 @@ def test_build_init_target_loads_an_earlier_build(tmp_path, tiny_dirs):
         main(["--out", str(inside), "--init-target", str(inside)])
     assert (inside / "config.json").is_file()
     for bad, match in ((["--recall-distance", "0.9"], "recall_distance"), (["--dedup-lines", "1.5"], "threshold"),
-                       (["--recall-fraction", "2"], "recall_fraction")):
+                       (["--recall-fraction", "2"], "recall_fraction"),
+                       (["--target-steps", "0"], "give --init-target"),
+                       (["--target-steps", "0", "--init-target", str(bare), "--curriculum", "64:2:2"],
+                        "no --curriculum"),
+                       (["--target-steps", "-1"], "target-steps")):
         with pytest.raises(ConfigError, match=match):  # refused before --out is cleared
             main(["--out", str(tmp_path / "out")] + bad)
         assert (inside / "config.json").is_file()

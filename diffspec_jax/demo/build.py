@@ -228,16 +228,16 @@ def model_card_markdown(card: dict) -> str:
         f"- Target: `LlamaForCausalLM`, {t['parameters']:,} parameters, {t['config']['num_hidden_layers']} layers, "
         f"hidden {t['config']['hidden_size']}, {t['config']['num_attention_heads']} heads / "
         f"{t['config']['num_key_value_heads']} KV heads, "
-        + (f"continued from `{t['init_target']['path']}` "
-           f"({t['init_target'].get('trained_by', {}).get('steps', '?')} earlier steps), " if t.get("init_target")
-           else "")
-        + "trained "
-        + "".join(f"{p['steps']} steps x {p['batch']} sequences of {p['seq_len']} tokens, then "
-                  for p in t.get("curriculum", []))
-        + f"{t['steps']} steps x {t['batch']} sequences of {t['seq_len']} tokens (AdamW, warm-up + cosine) in "
-        f"{t['train_seconds']:.0f} s; final train loss "
-        f"{t['final']['loss']:.3f}, held-out loss {t['final'].get('eval_loss', float('nan')):.3f} (nats/token). "
-        "Stored in bfloat16.",
+        + (f"{'kept as it is' if not t['steps'] else 'continued'} from `{t['init_target']['path']}` "
+           f"({t['init_target'].get('trained_by', {}).get('steps', '?')} earlier steps)"
+           + (", " if t["steps"] else "; this build did not train it.") if t.get("init_target") else "")
+        + ("trained "
+           + "".join(f"{p['steps']} steps x {p['batch']} sequences of {p['seq_len']} tokens, then "
+                     for p in t.get("curriculum", []))
+           + f"{t['steps']} steps x {t['batch']} sequences of {t['seq_len']} tokens (AdamW, warm-up + cosine) in "
+           f"{t['train_seconds']:.0f} s; final train loss {t['final']['loss']:.3f}, held-out loss "
+           f"{t['final'].get('eval_loss', float('nan')):.3f} (nats/token)." if t["steps"] else "")
+        + " Stored in bfloat16.",
         f"- Draft: EAGLE-3 (SpecForge / vLLM layout), {dr['parameters']:,} trainable parameters (embedding shared "
         f"with the target), draft vocabulary {dr['config']['draft_vocab_size']}, aux layers "
         f"{dr['config'].get('eagle_config', {}).get('eagle_aux_hidden_state_layer_ids')}, trained {dr['steps']} "
@@ -278,7 +278,9 @@ def build_parser() -> ArgumentParser:
                          "OUT.replaced-<time>, nothing is deleted)")
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq-len", type=int, default=16384)
-    ap.add_argument("--target-steps", type=int, default=600)
+    ap.add_argument("--target-steps", type=int, default=600,
+                    help="target training steps (0 with --init-target: keep that target as it is and train a new "
+                         "draft for it)")
     ap.add_argument("--target-batch", type=int, default=4)
     ap.add_argument("--curriculum", type=parse_curriculum, default=(),
                     help="target phases before the main one, SEQ_LEN:BATCH:STEPS[,...], e.g. 512:32:10000")
@@ -348,7 +350,11 @@ def check_settings(args) -> tuple[list[int], list[str]]:
     if args.dedup_lines is not None:
         LineDeduplicator(args.dedup_lines)
     check_int(args.vocab, "--vocab", min=MIN_VOCAB, hint=" (the 256 byte tokens and 2 special tokens at least)")
-    for name in ("seq_len", "target_steps", "target_batch", "draft_steps", "draft_batch", "draft_seq_len",
+    check_int(args.target_steps, "--target-steps", min=0)
+    if not args.target_steps and not (args.init_target and not args.curriculum):
+        raise ConfigError("--target-steps 0 keeps --init-target's weights as they are: give --init-target (and no "
+                          "--curriculum)")
+    for name in ("seq_len", "target_batch", "draft_steps", "draft_batch", "draft_seq_len",
                  "eval_new_tokens", "eval_prompts", "k", "budget", "chunk"):
         check_int(getattr(args, name), "--" + name.replace("_", "-"), min=1)
     check_int(args.draft_vocab, "--draft-vocab", min=1, max=None if args.init_target else args.vocab,
@@ -456,12 +462,14 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
         for row in hist:
             print(f"target-{seq_len}", json.dumps(row), flush=True)
         phases.append({"seq_len": seq_len, "batch": batch, "steps": steps, "final": hist[-1], "history": hist})
-    params, t_hist = train_target(
-        tcfg, train_stream, params=params, steps=args.target_steps, batch=args.target_batch, seq_len=args.seq_len,
-        optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.target_steps // 20), total_steps=args.target_steps),
-        ckpt_dir=out / "ckpt_target", seed=args.seed, attention=args.attention, eval_stream=held_stream,
-        eval_every=max(1, args.target_steps // 4), log_every=max(1, args.target_steps // 20), progress=False,
-        loops=loops, unlikelihood=unlikelihood)
+    t_hist = []  # --target-steps 0: the --init-target weights as they are
+    if args.target_steps:
+        params, t_hist = train_target(
+            tcfg, train_stream, params=params, steps=args.target_steps, batch=args.target_batch, seq_len=args.seq_len,
+            optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.target_steps // 20), total_steps=args.target_steps),
+            ckpt_dir=out / "ckpt_target", seed=args.seed, attention=args.attention, eval_stream=held_stream,
+            eval_every=max(1, args.target_steps // 4), log_every=max(1, args.target_steps // 20), progress=False,
+            loops=loops, unlikelihood=unlikelihood)
     for row in t_hist:
         print("target", json.dumps(row), flush=True)
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
@@ -478,7 +486,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
                       "curriculum": phases,
                       "init_target": init,
                       "train_seconds": time.perf_counter() - t0,
-                      "final": t_hist[-1], "history": t_hist}
+                      "final": t_hist[-1] if t_hist else None, "history": t_hist}
     save_hf(out / "target", tcfg, params, dtype="bfloat16", max_shard_bytes=7 << 20)  # shards < 8 MiB
     target_f32 = TargetModel(tcfg, params)
 
