@@ -92,14 +92,19 @@ class TokenStream:
             ``recall_distance`` up), then place it (default False: the source, then the copy, uniform, which makes
             short distances common and the longest rare). A target meant to copy from 14K tokens back in a 16K window
             sees such distances about ten times as often with it.
+        recall_mismatch: the share of the **copy's** tokens replaced after copying, by tokens drawn at random from
+            the stream (default 0: the copy equals its source). Past each replaced token the copy goes on following
+            its source, so a model trained on them keeps copying after a token that does not match, as a free-running
+            copy must after the model's own first wrong guess (verbatim copies teach it to give the copy up there).
     """
 
     def __init__(self, documents: list[np.ndarray], eos_id: int, recall_fraction: float = 0.0,
                  recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.0,
                  recall_distance: float = 0.0, recall_random: float = 0.0, vocab_size: int | None = None,
-                 recall_uniform: bool = False):
+                 recall_uniform: bool = False, recall_mismatch: float = 0.0):
         for name, value in (("recall_fraction", recall_fraction), ("recall_distance", recall_distance),
-                            ("recall_noise", recall_noise), ("recall_random", recall_random)):
+                            ("recall_noise", recall_noise), ("recall_random", recall_random),
+                            ("recall_mismatch", recall_mismatch)):
             check_real(value, name)
         if (not isinstance(recall_span, (tuple, list)) or len(recall_span) != 2
                 or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in recall_span)):
@@ -113,6 +118,9 @@ class TokenStream:
             raise ConfigError(f"recall_noise must be in [0, 1], got {recall_noise}")
         if not 0.0 <= recall_random <= 1.0:
             raise ConfigError(f"recall_random must be in [0, 1], got {recall_random}")
+        if not 0.0 <= recall_mismatch < 1.0:
+            raise ConfigError(f"recall_mismatch must be in [0, 1) (a share of the copy's tokens), got "
+                              f"{recall_mismatch}")
         check_int(vocab_size, "vocab_size", min=2, none_ok=True)
         if recall_random > 0 and vocab_size is None:
             raise ConfigError("recall_random > 0 draws token ids from the vocabulary: give vocab_size")
@@ -130,6 +138,7 @@ class TokenStream:
         self.recall_random = float(recall_random)
         self.vocab_size = vocab_size
         self.recall_uniform = bool(recall_uniform)
+        self.recall_mismatch = float(recall_mismatch)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -152,6 +161,9 @@ class TokenStream:
                     noisy = src + np.flatnonzero(rng.random(n) < self.recall_noise)
                     row[noisy] = self.tokens[rng.integers(0, len(self.tokens), len(noisy))]
                     row[dst:dst + n] = row[src:src + n]
+                    if self.recall_mismatch > 0:  # (no draw otherwise: earlier builds' batches stay as they were)
+                        miss = dst + np.flatnonzero(rng.random(n) < self.recall_mismatch)
+                        row[miss] = self.tokens[rng.integers(0, len(self.tokens), len(miss))]
         return out
 
 

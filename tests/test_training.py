@@ -296,6 +296,18 @@ def test_recall_spans_copy_a_passage_later_in_the_window():
         if kinds[-1]:
             assert passage.min() >= 1 and len(changed) > 64  # source and copy both rewritten
     assert 16 < sum(kinds) < 48  # about half the spans random
+    missed = TokenStream(docs, 0, recall_fraction=1.0, recall_span=(40, 40), recall_mismatch=0.25)
+    assert np.array_equal(spans.batch(3, 6, 200, seed=1), TokenStream(docs, 0, recall_fraction=1.0,
+                          recall_span=(16, 40), recall_mismatch=0.0).batch(3, 6, 200, seed=1))  # 0: batches as before
+    shares = []
+    for row, copied in zip(plain.batch(5, 32, 400, seed=3), missed.batch(5, 32, 400, seed=3)):
+        changed = np.flatnonzero(row != copied)
+        dst = changed[0]  # the copy is the only change (no source rewrite), its first token may be replaced
+        src = next(j for j in range(dst) if np.mean(row[j:j + 40] == copied[dst:dst + 40]) > 0.5)
+        same = row[src:src + 40] == copied[dst:dst + 40]
+        assert changed[-1] < dst + 40 and 0 < same.mean() < 1  # follows its source, except where replaced
+        shares.append(1 - same.mean())
+    assert 0.15 < np.mean(shares) < 0.35  # about a quarter of each copy replaced
 
 
 def test_recall_span_bounds_and_config_errors():
@@ -506,7 +518,7 @@ def test_build_init_target_loads_an_earlier_build(tmp_path, tiny_dirs):
         main(["--out", str(inside), "--init-target", str(inside)])
     assert (inside / "config.json").is_file()
     for bad, match in ((["--recall-distance", "0.9"], "recall_distance"), (["--dedup-lines", "1.5"], "threshold"),
-                       (["--recall-fraction", "2"], "recall_fraction"),
+                       (["--recall-fraction", "2"], "recall_fraction"), (["--recall-mismatch", "1"], "recall_mismatch"),
                        (["--target-steps", "0"], "give --init-target"),
                        (["--target-steps", "0", "--init-target", str(bare), "--curriculum", "64:2:2"],
                         "no --curriculum"),

@@ -212,6 +212,8 @@ def model_card_markdown(card: dict) -> str:
            + (" (distance drawn uniformly)" if t.get("recall_uniform_distance") else "")
            + (f"; {t['recall_random']:.0%} of the passages are uniform random token ids" if t.get("recall_random")
               else "")
+           + (f"; {t['recall_mismatch']:.0%} of each copy's tokens are replaced after copying (the copy resumes "
+              "after each)" if t.get("recall_mismatch") else "")
            + "."] if t.get("recall_fraction") else []),
         *([f"- Loop rows: {t['loops']['rows']} windows of {t['loops']['loop_len']} tokens per step whose tail repeats "
            f"a line of {t['loops']['span'][0]}-{t['loops']['span'][1]} tokens; each repetition is trained to "
@@ -295,6 +297,9 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--recall-uniform-distance", action="store_true",
                     help="draw each recall span's distance uniformly (far copies as common as near ones)")
     ap.add_argument("--recall-noise", type=float, default=0.0, help="share of a recall passage's tokens replaced")
+    ap.add_argument("--recall-mismatch", type=float, default=0.0,
+                    help="share of a recall copy's tokens replaced after copying (the copy resumes after each), so "
+                         "the target keeps copying after a wrong token")
     ap.add_argument("--recall-random", type=float, default=0.0,
                     help="share of recall passages made of uniform random token ids (copyable only by reading them)")
     ap.add_argument("--loop-rows", type=int, default=0,
@@ -342,7 +347,7 @@ def check_settings(args) -> tuple[list[int], list[str]]:
     TokenStream([], 0, recall_fraction=args.recall_fraction, recall_span=args.recall_span,
                 recall_noise=args.recall_noise, recall_distance=args.recall_distance,
                 recall_random=args.recall_random, vocab_size=args.vocab,
-                recall_uniform=args.recall_uniform_distance)
+                recall_uniform=args.recall_uniform_distance, recall_mismatch=args.recall_mismatch)
     check_int(args.loop_rows, "--loop-rows", min=0)
     check_int(args.unlikelihood_rows, "--unlikelihood-rows", min=0)
     _loops(args, TokenStream([], 0))
@@ -441,7 +446,8 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     train_stream = TokenStream(encode(corpus.train), eos, recall_fraction=args.recall_fraction,
                                recall_span=args.recall_span, recall_noise=args.recall_noise,
                                recall_distance=args.recall_distance, recall_random=args.recall_random,
-                               vocab_size=len(tok), recall_uniform=args.recall_uniform_distance)
+                               vocab_size=len(tok), recall_uniform=args.recall_uniform_distance,
+                               recall_mismatch=args.recall_mismatch)
     held_enc = encode_documents(tok, corpus.held_out)
     held_docs = {e.name: e.ids for e in held_enc}
     held_stream = TokenStream(list(held_docs.values()), eos)
@@ -478,6 +484,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
                       "recall_span": list(args.recall_span), "recall_noise": args.recall_noise,
                       "recall_distance": args.recall_distance, "recall_random": args.recall_random,
                       "recall_uniform_distance": args.recall_uniform_distance,
+                      "recall_mismatch": args.recall_mismatch,
                       "loops": ({"rows": loops.rows, "loop_len": loops.loop_len, "span": list(loops.loop_span),
                                  "decay": loops.decay, "weight": loops.weight} if loops else None),
                       "unlikelihood": ({"rows": unlikelihood.rows, "context": unlikelihood.context,
