@@ -10,6 +10,12 @@ predicts every token of the sequence (teacher-forced, one full forward pass) and
 on the passage's second occurrence beside its first. A target that copies scores near 1 on the second occurrence;
 one that does not scores as on the first.
 
+Teacher-forced accuracy is the easy half: each prediction sees the true tokens before it. **Free-running** copying
+(``--free-running-tokens``, default 64; 0 skips it) is what speculative decoding meets: the same sequence is cut
+after the second occurrence's first ``--free-running-shown`` tokens (default 32), the target decodes greedily, and
+the probe scores its new tokens against the rest of the passage (the share that match, and how many come before
+the first miss). A target whose copy breaks at its first wrong guess scores far below its teacher-forced accuracy.
+
 Two kinds of passage, both followed by natural filler:
 
 * ``natural``: a window of held-out code (the standard library packages the demo pair never trained on,
@@ -75,6 +81,22 @@ def copy_accuracy(pred: np.ndarray, seq: np.ndarray, span: int, gap: int) -> tup
     return hit[:, :span - 1].mean(axis=1), hit[:, second:second + span - 1].mean(axis=1)
 
 
+def free_running_copy(model, seqs: np.ndarray, span: int, gap: int, shown: int, new_tokens: int) -> dict:
+    """Greedy target-only continuations of ``seqs`` (:func:`copy_sequences`' rows) cut after the second
+    occurrence's first ``shown`` tokens, scored against the passage's next ``new_tokens`` tokens."""
+    from diffspec_jax import generate
+
+    cut = span + gap + shown
+    out = generate(model, None, [list(map(int, s[:cut])) for s in seqs], max_new_tokens=new_tokens,
+                   stop_token_ids=())
+    match = np.array([np.asarray(o[:new_tokens]) == s[cut:cut + new_tokens] for o, s in zip(out.tokens, seqs)])
+    before = [int(np.argmin(m)) if not m.all() else new_tokens for m in match]
+    return {"shown": shown, "new_tokens": new_tokens, "match_share": float(match.mean()),
+            "tokens_before_first_miss": float(np.mean(before)),
+            "per_passage": {"match_share": match.mean(axis=1).tolist(), "tokens_before_first_miss": before},
+            "tokens": [list(o) for o in out.tokens]}
+
+
 def distinct_ngram_share(tokens, n: int = 4) -> float:
     """Distinct ``n``-grams over all ``n``-grams of a token sequence: 1.0 when none repeats, toward 0 in a loop."""
     grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
@@ -97,9 +119,10 @@ def greedy_repetition(model, encoded, *, context: int, new_tokens: int, count: i
 
 
 def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, seed: int, dtype: str,
-                 greedy: tuple[int, int, int] = (0, 2048, 128)) -> dict:
-    """Copy rows per (kind, gap) and, when ``greedy[0]`` > 0, :func:`greedy_repetition` over ``greedy`` =
-    (prompts, context, new tokens)."""
+                 greedy: tuple[int, int, int] = (0, 2048, 128), free_running: tuple[int, int] = (32, 0)) -> dict:
+    """Copy rows per (kind, gap), each with :func:`free_running_copy` over ``free_running`` = (shown, new tokens)
+    when new tokens > 0, and, when ``greedy[0]`` > 0, :func:`greedy_repetition` over ``greedy`` = (prompts, context,
+    new tokens)."""
     import jax.numpy as jnp
     from transformers import AutoTokenizer
 
@@ -123,9 +146,13 @@ def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, se
             row = {"kind": kind, "gap": gap, "first_occurrence_accuracy": float(first.mean()),
                    "second_occurrence_accuracy": float(second.mean()),
                    "per_passage": {"first": first.tolist(), "second": second.tolist()}}
+            if free_running[1]:
+                row["free_running"] = free_running_copy(model, seqs[kind], span, gap, *free_running)
             entry["rows"].append(row)
-            print(json.dumps({"target": str(path), **{k: v for k, v in row.items() if k != "per_passage"}}),
-                  flush=True)
+            print(json.dumps({"target": str(path), **{k: v for k, v in row.items() if k != "per_passage"},
+                              **({"free_running": {k: v for k, v in row["free_running"].items()
+                                                   if k not in ("per_passage", "tokens")}}
+                                 if "free_running" in row else {})}), flush=True)
     if greedy[0]:
         entry["greedy_repetition"] = greedy_repetition(model, encoded, context=greedy[1], new_tokens=greedy[2],
                                                        count=greedy[0], seed=seed)
@@ -143,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--greedy-prompts", type=int, default=8, help="held-out windows decoded greedily (0: skip)")
     ap.add_argument("--greedy-context", type=int, default=2048, help="tokens per greedy-decoding window")
     ap.add_argument("--greedy-new-tokens", type=int, default=128, help="greedy tokens per window")
+    ap.add_argument("--free-running-shown", type=int, default=32,
+                    help="free-running copying: the second occurrence's tokens given before greedy decoding")
+    ap.add_argument("--free-running-tokens", type=int, default=64,
+                    help="free-running copying: greedy tokens scored against the rest of the passage (0: skip)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-files", type=int, default=None, help="small held-out corpus (smoke tests)")
@@ -151,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     out, = claim_outputs(ap, args, [args.out], __file__)
     if args.span < 2 or args.passages < 1:
         raise SystemExit("--span must be at least 2 and --passages at least 1")
+    if args.free_running_tokens < 0 or args.free_running_shown < 1 or (
+            args.free_running_tokens and args.free_running_shown + args.free_running_tokens > args.span):
+        raise SystemExit("--free-running-shown must be >= 1 and --free-running-tokens >= 0, the two together at most "
+                         "--span (the passage they are scored on)")
     if args.greedy_prompts < 0 or args.greedy_context < 1 or args.greedy_new_tokens < 4:
         raise SystemExit("--greedy-prompts must be >= 0, --greedy-context >= 1 and --greedy-new-tokens >= 4")
     gaps = [int(g) for g in args.gaps.split(",") if g]
@@ -165,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                "held_out_sha256": corpus.manifest.get("held_out_sha256"),
                "targets": [probe_target(t, corpus.held_out, span=args.span, gaps=gaps, count=args.passages,
                                         seed=args.seed, dtype=args.dtype,
-                                        greedy=(args.greedy_prompts, args.greedy_context, args.greedy_new_tokens))
+                                        greedy=(args.greedy_prompts, args.greedy_context, args.greedy_new_tokens),
+                                        free_running=(args.free_running_shown, args.free_running_tokens))
                            for t in targets]}
     print("wrote", write_json(out, payload))
     return 0

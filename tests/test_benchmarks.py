@@ -296,7 +296,8 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
 
     out = tmp_path / "probe.json"
     assert copy_probe.main(["--gaps", "40", "--span", "24", "--passages", "2", "--greedy-prompts", "2",
-                            "--greedy-context", "300", "--greedy-new-tokens", "12", "--out", str(out)]) == 0
+                            "--greedy-context", "300", "--greedy-new-tokens", "12", "--free-running-shown", "8",
+                            "--free-running-tokens", "8", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     entry = data["targets"][0]
     assert entry["path"].endswith("target") and entry["weights"] and "git_commit" in data["environment"]
@@ -313,6 +314,14 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
         assert np.abs(first - row["per_passage"]["first"]).max() <= 2 / 23  # float near-ties may flip a token
         assert np.abs(second - row["per_passage"]["second"]).max() <= 2 / 23
         assert row["second_occurrence_accuracy"] == pytest.approx(float(np.mean(row["per_passage"]["second"])))
+        # free-running: transformers' greedy continuation of the sequence cut 8 tokens into the second occurrence
+        free = row["free_running"]
+        for seq, ours, share in zip(seqs[row["kind"]], free["tokens"], free["per_passage"]["match_share"]):
+            with torch.no_grad():
+                theirs = hf.generate(torch.as_tensor(seq[None, :72], dtype=torch.long), max_new_tokens=8,
+                                     min_new_tokens=8, do_sample=False)[0, 72:].tolist()
+            assert ours == theirs and share == pytest.approx(float(np.mean(np.asarray(theirs) == seq[72:80])))
+        assert free["match_share"] == pytest.approx(float(np.mean(free["per_passage"]["match_share"])))
     # greedy writing: the same continuations from transformers' greedy generate, shares from the documents' text
     rep = entry["greedy_repetition"]
     docs = {e.name: e.ids for e in encode_documents(tok, build_corpus().held_out)}
@@ -326,6 +335,9 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
         assert ours == theirs and share == copy_probe.distinct_ngram_share(theirs)
         assert held == copy_probe.distinct_ngram_share(docs[p["doc"]][p["start"] + 300:p["start"] + 312].tolist())
     assert rep["greedy_distinct_share"] == pytest.approx(float(np.mean(rep["per_prompt"]["greedy"])))
+    with pytest.raises(SystemExit, match="at most --span"):
+        copy_probe.main(["--span", "24", "--free-running-shown", "8", "--free-running-tokens", "20",
+                         "--out", str(tmp_path / "bad.json")])
 
 
 def test_e2e_benchmark_quick(tmp_path):
