@@ -422,6 +422,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _train_target(args, tcfg, train_stream: TokenStream, held_stream: TokenStream, params, out: Path, loops,
+                  unlikelihood) -> tuple[dict, list[dict], list[dict]]:
+    """The target's curriculum phases, then its main phase (none with ``--target-steps 0``: the ``--init-target``
+    weights as they are). Returns (float32 params, the phases' records, the main phase's history)."""
+    phases = []
+    for seq_len, batch, steps in args.curriculum:
+        params, hist = train_target(
+            tcfg, train_stream, params=params, steps=steps, batch=batch, seq_len=seq_len,
+            optim=OptimConfig(lr=3e-3, warmup_steps=max(1, steps // 20), total_steps=steps),
+            seed=args.seed + len(phases) + 1, attention=args.attention, log_every=max(1, steps // 20),
+            progress=False, loops=loops, unlikelihood=unlikelihood)
+        for row in hist:
+            print(f"target-{seq_len}", json.dumps(row), flush=True)
+        phases.append({"seq_len": seq_len, "batch": batch, "steps": steps, "final": hist[-1], "history": hist})
+    t_hist = []  # --target-steps 0: the --init-target weights as they are
+    if args.target_steps:
+        params, t_hist = train_target(
+            tcfg, train_stream, params=params, steps=args.target_steps, batch=args.target_batch, seq_len=args.seq_len,
+            optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.target_steps // 20), total_steps=args.target_steps),
+            ckpt_dir=out / "ckpt_target", seed=args.seed, attention=args.attention, eval_stream=held_stream,
+            eval_every=max(1, args.target_steps // 4), log_every=max(1, args.target_steps // 20), progress=False,
+            loops=loops, unlikelihood=unlikelihood)
+    return params, phases, t_hist
+
+
 def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], params, init, init_tok) -> float:
     """The build's steps, writing into ``out`` (the partial directory); returns the build's seconds."""
     (out / "target").mkdir(parents=True)
@@ -458,24 +483,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     tcfg = demo_target_config(len(tok), eos, max_len=max(32768, 2 * args.seq_len))
     loops, unlikelihood = _loops(args, train_stream), _unlikelihood(args, train_stream)
     t0 = time.perf_counter()
-    phases = []
-    for seq_len, batch, steps in args.curriculum:
-        params, hist = train_target(
-            tcfg, train_stream, params=params, steps=steps, batch=batch, seq_len=seq_len,
-            optim=OptimConfig(lr=3e-3, warmup_steps=max(1, steps // 20), total_steps=steps),
-            seed=args.seed + len(phases) + 1, attention=args.attention, log_every=max(1, steps // 20),
-            progress=False, loops=loops, unlikelihood=unlikelihood)
-        for row in hist:
-            print(f"target-{seq_len}", json.dumps(row), flush=True)
-        phases.append({"seq_len": seq_len, "batch": batch, "steps": steps, "final": hist[-1], "history": hist})
-    t_hist = []  # --target-steps 0: the --init-target weights as they are
-    if args.target_steps:
-        params, t_hist = train_target(
-            tcfg, train_stream, params=params, steps=args.target_steps, batch=args.target_batch, seq_len=args.seq_len,
-            optim=OptimConfig(lr=3e-3, warmup_steps=max(1, args.target_steps // 20), total_steps=args.target_steps),
-            ckpt_dir=out / "ckpt_target", seed=args.seed, attention=args.attention, eval_stream=held_stream,
-            eval_every=max(1, args.target_steps // 4), log_every=max(1, args.target_steps // 20), progress=False,
-            loops=loops, unlikelihood=unlikelihood)
+    params, phases, t_hist = _train_target(args, tcfg, train_stream, held_stream, params, out, loops, unlikelihood)
     for row in t_hist:
         print("target", json.dumps(row), flush=True)
     card["target"] = {"architecture": "LlamaForCausalLM", "parameters": tcfg.num_parameters,
