@@ -118,6 +118,11 @@ def greedy_repetition(model, encoded, *, context: int, new_tokens: int, count: i
             "per_prompt": {"greedy": greedy, "held_out": held}, "greedy_tokens": [list(o) for o in out.tokens]}
 
 
+def _means(entry: dict) -> dict:
+    """``entry`` without its per-passage lists and token ids (what the probe prints as it goes)."""
+    return {k: _means(v) if isinstance(v, dict) else v for k, v in entry.items() if k not in ("per_passage", "tokens")}
+
+
 def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, seed: int, dtype: str,
                  greedy: tuple[int, int, int] = (0, 2048, 128), free_running: tuple[int, int] = (32, 0)) -> dict:
     """Copy rows per (kind, gap), each with :func:`free_running_copy` over ``free_running`` = (shown, new tokens)
@@ -149,10 +154,7 @@ def probe_target(path: Path, docs, *, span: int, gaps: list[int], count: int, se
             if free_running[1]:
                 row["free_running"] = free_running_copy(model, seqs[kind], span, gap, *free_running)
             entry["rows"].append(row)
-            print(json.dumps({"target": str(path), **{k: v for k, v in row.items() if k != "per_passage"},
-                              **({"free_running": {k: v for k, v in row["free_running"].items()
-                                                   if k not in ("per_passage", "tokens")}}
-                                 if "free_running" in row else {})}), flush=True)
+            print(json.dumps({"target": str(path), **_means(row)}), flush=True)
     if greedy[0]:
         entry["greedy_repetition"] = greedy_repetition(model, encoded, context=greedy[1], new_tokens=greedy[2],
                                                        count=greedy[0], seed=seed)

@@ -186,6 +186,20 @@ def evaluate(target, draft, prompts_by_case: dict[tuple[str, int], list], new_to
     return rows
 
 
+def _target_training(t: dict) -> str:
+    """The model card's account of how the target was trained (``t``: the card's ``target`` entry)."""
+    init = t.get("init_target")
+    earlier = f"`{init['path']}` ({init.get('trained_by', {}).get('steps', '?')} earlier steps)" if init else ""
+    if not t["steps"]:  # --target-steps 0
+        return f"kept as it is from {earlier}; this build did not train it."
+    phases = "".join(f"{p['steps']} steps x {p['batch']} sequences of {p['seq_len']} tokens, then "
+                     for p in t.get("curriculum", []))
+    return ((f"continued from {earlier}, " if init else "") + f"trained {phases}{t['steps']} steps x {t['batch']} "
+            f"sequences of {t['seq_len']} tokens (AdamW, warm-up + cosine) in {t['train_seconds']:.0f} s; final "
+            f"train loss {t['final']['loss']:.3f}, held-out loss {t['final'].get('eval_loss', float('nan')):.3f} "
+            "(nats/token).")
+
+
 def model_card_markdown(card: dict) -> str:
     """The human-readable model card (``MODEL_CARD.md``) of a ``model_card.json``."""
     d, t, dr, ev = card["data"], card["target"], card["draft"], card.get("eval", {})
@@ -230,15 +244,7 @@ def model_card_markdown(card: dict) -> str:
         f"- Target: `LlamaForCausalLM`, {t['parameters']:,} parameters, {t['config']['num_hidden_layers']} layers, "
         f"hidden {t['config']['hidden_size']}, {t['config']['num_attention_heads']} heads / "
         f"{t['config']['num_key_value_heads']} KV heads, "
-        + (f"{'kept as it is' if not t['steps'] else 'continued'} from `{t['init_target']['path']}` "
-           f"({t['init_target'].get('trained_by', {}).get('steps', '?')} earlier steps)"
-           + (", " if t["steps"] else "; this build did not train it.") if t.get("init_target") else "")
-        + ("trained "
-           + "".join(f"{p['steps']} steps x {p['batch']} sequences of {p['seq_len']} tokens, then "
-                     for p in t.get("curriculum", []))
-           + f"{t['steps']} steps x {t['batch']} sequences of {t['seq_len']} tokens (AdamW, warm-up + cosine) in "
-           f"{t['train_seconds']:.0f} s; final train loss {t['final']['loss']:.3f}, held-out loss "
-           f"{t['final'].get('eval_loss', float('nan')):.3f} (nats/token)." if t["steps"] else "")
+        + _target_training(t)
         + " Stored in bfloat16.",
         f"- Draft: EAGLE-3 (SpecForge / vLLM layout), {dr['parameters']:,} trainable parameters (embedding shared "
         f"with the target), draft vocabulary {dr['config']['draft_vocab_size']}, aux layers "
