@@ -96,12 +96,15 @@ class TokenStream:
             the stream (default 0: the copy equals its source). Past each replaced token the copy goes on following
             its source, so a model trained on them keeps copying after a token that does not match, as a free-running
             copy must after the model's own first wrong guess (verbatim copies teach it to give the copy up there).
+        recall_spans: recall spans per window that gets them (default 1). More spans put more copied tokens in
+            each step; a span whose source or copy would overlap an earlier span's is drawn again (up to 8 tries,
+            then left out), so every copy still matches its source.
     """
 
     def __init__(self, documents: list[np.ndarray], eos_id: int, recall_fraction: float = 0.0,
                  recall_span: tuple[int, int] = (128, 1024), recall_noise: float = 0.0,
                  recall_distance: float = 0.0, recall_random: float = 0.0, vocab_size: int | None = None,
-                 recall_uniform: bool = False, recall_mismatch: float = 0.0):
+                 recall_uniform: bool = False, recall_mismatch: float = 0.0, recall_spans: int = 1):
         for name, value in (("recall_fraction", recall_fraction), ("recall_distance", recall_distance),
                             ("recall_noise", recall_noise), ("recall_random", recall_random),
                             ("recall_mismatch", recall_mismatch)):
@@ -122,6 +125,7 @@ class TokenStream:
             raise ConfigError(f"recall_mismatch must be in [0, 1) (a share of the copy's tokens), got "
                               f"{recall_mismatch}")
         check_int(vocab_size, "vocab_size", min=2, none_ok=True)
+        check_int(recall_spans, "recall_spans", min=1)
         if recall_random > 0 and vocab_size is None:
             raise ConfigError("recall_random > 0 draws token ids from the vocabulary: give vocab_size")
         if not 1 <= recall_span[0] <= recall_span[1]:
@@ -139,6 +143,7 @@ class TokenStream:
         self.vocab_size = vocab_size
         self.recall_uniform = bool(recall_uniform)
         self.recall_mismatch = float(recall_mismatch)
+        self.recall_spans = int(recall_spans)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -152,19 +157,39 @@ class TokenStream:
         out = np.stack([self.tokens[s:s + length] for s in starts])
         if self.recall_fraction > 0:
             for row in out:
-                span = (recall_span_of(rng, length, self.recall_span, self.recall_distance, self.recall_uniform)
-                        if rng.random() < self.recall_fraction else None)
-                if span is not None:
-                    src, dst, n = span
-                    if self.recall_random > 0 and rng.random() < self.recall_random:
-                        row[src:src + n] = rng.integers(1, self.vocab_size, n)
-                    noisy = src + np.flatnonzero(rng.random(n) < self.recall_noise)
-                    row[noisy] = self.tokens[rng.integers(0, len(self.tokens), len(noisy))]
-                    row[dst:dst + n] = row[src:src + n]
-                    if self.recall_mismatch > 0:  # (no draw otherwise: earlier builds' batches stay as they were)
-                        miss = dst + np.flatnonzero(rng.random(n) < self.recall_mismatch)
-                        row[miss] = self.tokens[rng.integers(0, len(self.tokens), len(miss))]
+                if rng.random() < self.recall_fraction:
+                    taken: list[tuple[int, int]] = []  # [start, end) of every source and copy placed so far
+                    for _ in range(self.recall_spans):
+                        span = self._free_span(rng, length, taken)
+                        if span is not None:
+                            self._copy(rng, row, *span)
+                            taken += [(span[0], span[0] + span[2]), (span[1], span[1] + span[2])]
         return out
+
+    def _free_span(self, rng: np.random.Generator, length: int,
+                   taken: list[tuple[int, int]]) -> tuple[int, int, int] | None:
+        """A recall span (:func:`recall_span_of`) whose source and copy overlap nothing in ``taken``; None after 8
+        tries (one draw when ``taken`` is empty, so a single span per window draws as it always did)."""
+        for _ in range(8 if taken else 1):
+            span = recall_span_of(rng, length, self.recall_span, self.recall_distance, self.recall_uniform)
+            if span is None:
+                return None
+            src, dst, n = span
+            if all(e <= a or b <= s for a, b in ((src, src + n), (dst, dst + n)) for s, e in taken):
+                return span
+        return None
+
+    def _copy(self, rng: np.random.Generator, row: np.ndarray, src: int, dst: int, n: int) -> None:
+        """Copy ``row[src:src + n]`` to ``row[dst:dst + n]`` in place, with this stream's random passages, noise
+        and mismatches."""
+        if self.recall_random > 0 and rng.random() < self.recall_random:
+            row[src:src + n] = rng.integers(1, self.vocab_size, n)
+        noisy = src + np.flatnonzero(rng.random(n) < self.recall_noise)
+        row[noisy] = self.tokens[rng.integers(0, len(self.tokens), len(noisy))]
+        row[dst:dst + n] = row[src:src + n]
+        if self.recall_mismatch > 0:  # (no draw otherwise: earlier builds' batches stay as they were)
+            miss = dst + np.flatnonzero(rng.random(n) < self.recall_mismatch)
+            row[miss] = self.tokens[rng.integers(0, len(self.tokens), len(miss))]
 
 
 def recall_span_of(rng: np.random.Generator, length: int, span: tuple[int, int], min_distance: float = 0.0,

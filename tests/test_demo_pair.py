@@ -184,6 +184,8 @@ def test_model_card_describes_curriculum_recall_spans_dedup_and_continued_traini
     card["target"]["recall_mismatch"] = 0.05
     assert ("at least 50% of the window after it; 5% of each copy's tokens are replaced after copying (the copy "
             "resumes after each).") in model_card_markdown(card)
+    card["target"]["recall_spans"] = 4
+    assert "Recall spans: 100% of the training windows copy 4 passages of 64-1024 tokens" in model_card_markdown(card)
     card["data"]["dedup"] = {"threshold": 0.3, "min_chars": 16, "dropped_files": 2967, "dropped_chars": 41744482}
     assert ("Near-duplicate files left out of training: 2967 files (41744482 characters) of which more than 30% of "
             "the lines of 16+ characters occurred in earlier training files.") in model_card_markdown(card)

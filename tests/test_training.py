@@ -310,6 +310,24 @@ def test_recall_spans_copy_a_passage_later_in_the_window():
     assert 0.15 < np.mean(shares) < 0.35  # about a quarter of each copy replaced
 
 
+def test_several_recall_spans_per_window_never_overlap():
+    docs = [np.arange(1, 30_000, dtype=np.int32)]  # consecutive ids: every copy is a run of +1 steps from elsewhere
+    plain = TokenStream(docs, 0).batch(2, 24, 400, seed=4)
+    multi = TokenStream(docs, 0, recall_fraction=1.0, recall_span=(10, 20), recall_spans=3, recall_distance=0.1,
+                        recall_uniform=True).batch(2, 24, 400, seed=4)
+    for row, copied in zip(plain, multi):
+        changed = np.flatnonzero(row != copied)
+        breaks = np.flatnonzero((np.diff(changed) != 1) | (np.diff(copied[changed]) != 1)) + 1
+        runs = np.split(changed, breaks)
+        assert len(runs) == 3  # three copies, none overwriting another
+        for run in runs:
+            dst, n = int(run[0]), len(run)
+            src = int(copied[dst] - row[0])  # where the copied ids were in the untouched window
+            assert 10 <= n <= 20 and src + 40 <= dst  # at least 10% of the window back
+            assert np.array_equal(copied[src:src + n], row[src:src + n])  # its source left as it was
+            assert np.array_equal(copied[dst:dst + n], row[src:src + n])
+
+
 def test_recall_span_bounds_and_config_errors():
     from diffspec_jax.errors import ConfigError
     from diffspec_jax.training import recall_span_of
@@ -339,7 +357,8 @@ def test_recall_span_bounds_and_config_errors():
     docs = [np.arange(1, 100, dtype=np.int32)]
     for kw in (dict(recall_fraction=1.5), dict(recall_noise=-0.1), dict(recall_span=(0, 4)),
                dict(recall_span=(9, 4)), dict(recall_distance=0.8), dict(recall_distance=-0.1),
-               dict(recall_random=0.5), dict(recall_random=1.5, vocab_size=10), dict(recall_random=0.5, vocab_size=1)):
+               dict(recall_random=0.5), dict(recall_random=1.5, vocab_size=10), dict(recall_random=0.5, vocab_size=1),
+               dict(recall_spans=0), dict(recall_spans=1.5)):
         with pytest.raises(ConfigError):
             TokenStream(docs, 0, **kw)
 

@@ -219,7 +219,8 @@ def model_card_markdown(card: dict) -> str:
            f"of {d['dedup']['min_chars']}+ characters occurred in earlier training files."] if d.get("dedup") else []),
         f"- Documents are packages (files concatenated): repository-level context. Training tokens: "
         f"{d.get('train_tokens')}; held-out tokens: {d.get('held_out_tokens')}.",
-        *([f"- Recall spans: {t['recall_fraction']:.0%} of the training windows copy a passage of "
+        *([f"- Recall spans: {t['recall_fraction']:.0%} of the training windows copy "
+           + (f"{t['recall_spans']} passages" if t.get("recall_spans", 1) > 1 else "a passage") + " of "
            f"{t['recall_span'][0]}-{t['recall_span'][1]} tokens ({t['recall_noise']:.0%} of its tokens replaced "
            "first) to a later place in the same window"
            + (f", at least {t['recall_distance']:.0%} of the window after it" if t.get("recall_distance") else "")
@@ -306,6 +307,8 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--recall-mismatch", type=float, default=0.0,
                     help="share of a recall copy's tokens replaced after copying (the copy resumes after each), so "
                          "the target keeps copying after a wrong token")
+    ap.add_argument("--recall-spans", type=int, default=1,
+                    help="recall spans per window that gets them (more copied tokens per step; spans never overlap)")
     ap.add_argument("--recall-random", type=float, default=0.0,
                     help="share of recall passages made of uniform random token ids (copyable only by reading them)")
     ap.add_argument("--loop-rows", type=int, default=0,
@@ -347,13 +350,18 @@ def build_parser() -> ArgumentParser:
     return ap
 
 
+def _recall_options(args) -> dict:
+    """The build's ``--recall-*`` options as :class:`TokenStream` keyword arguments."""
+    return dict(recall_fraction=args.recall_fraction, recall_span=args.recall_span, recall_noise=args.recall_noise,
+                recall_distance=args.recall_distance, recall_random=args.recall_random,
+                recall_uniform=args.recall_uniform_distance, recall_mismatch=args.recall_mismatch,
+                recall_spans=args.recall_spans)
+
+
 def check_settings(args) -> tuple[list[int], list[str]]:
     """Every setting of the build, checked before anything is read or written (a :class:`ConfigError` naming the
     first bad one). Returns the evaluation contexts and workloads."""
-    TokenStream([], 0, recall_fraction=args.recall_fraction, recall_span=args.recall_span,
-                recall_noise=args.recall_noise, recall_distance=args.recall_distance,
-                recall_random=args.recall_random, vocab_size=args.vocab,
-                recall_uniform=args.recall_uniform_distance, recall_mismatch=args.recall_mismatch)
+    TokenStream([], 0, vocab_size=args.vocab, **_recall_options(args))
     check_int(args.loop_rows, "--loop-rows", min=0)
     check_int(args.unlikelihood_rows, "--unlikelihood-rows", min=0)
     _loops(args, TokenStream([], 0))
@@ -474,11 +482,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     tok.save_pretrained(out / "target")
     eos = tok.eos_token_id
     encode = lambda docs: [np.asarray(x, np.int32) for x in tok([d.text for d in docs])["input_ids"]]  # noqa: E731
-    train_stream = TokenStream(encode(corpus.train), eos, recall_fraction=args.recall_fraction,
-                               recall_span=args.recall_span, recall_noise=args.recall_noise,
-                               recall_distance=args.recall_distance, recall_random=args.recall_random,
-                               vocab_size=len(tok), recall_uniform=args.recall_uniform_distance,
-                               recall_mismatch=args.recall_mismatch)
+    train_stream = TokenStream(encode(corpus.train), eos, vocab_size=len(tok), **_recall_options(args))
     held_enc = encode_documents(tok, corpus.held_out)
     held_docs = {e.name: e.ids for e in held_enc}
     held_stream = TokenStream(list(held_docs.values()), eos)
@@ -498,7 +502,7 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
                       "recall_span": list(args.recall_span), "recall_noise": args.recall_noise,
                       "recall_distance": args.recall_distance, "recall_random": args.recall_random,
                       "recall_uniform_distance": args.recall_uniform_distance,
-                      "recall_mismatch": args.recall_mismatch,
+                      "recall_mismatch": args.recall_mismatch, "recall_spans": args.recall_spans,
                       "loops": ({"rows": loops.rows, "loop_len": loops.loop_len, "span": list(loops.loop_span),
                                  "decay": loops.decay, "weight": loops.weight} if loops else None),
                       "unlikelihood": ({"rows": unlikelihood.rows, "context": unlikelihood.context,
