@@ -162,8 +162,9 @@ class TokenStream:
                     for _ in range(self.recall_spans):
                         span = self._free_span(rng, length, taken)
                         if span is not None:
-                            self._copy(rng, row, *span)
-                            taken += [(span[0], span[0] + span[2]), (span[1], span[1] + span[2])]
+                            src, dst, n = span
+                            self._copy(rng, row, src, dst, n)
+                            taken += [(src, src + n), (dst, dst + n)]
         return out
 
     def _free_span(self, rng: np.random.Generator, length: int,
