@@ -287,17 +287,20 @@ def test_distinct_ngram_share():
 
 def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
     """The probe's accuracies on the demo target, recomputed from the same sequences with transformers (torch)."""
+    import jax.numpy as jnp
     import torch
     import transformers
 
     from benchmarks import copy_probe
-    from diffspec_jax import demo
+    from diffspec_jax import demo, load_draft, load_target
     from diffspec_jax.corpus import build_corpus, encode_documents
+    from diffspec_jax.models import eagle3
 
     out = tmp_path / "probe.json"
     assert copy_probe.main(["--gaps", "40", "--span", "24", "--passages", "2", "--greedy-prompts", "2",
                             "--greedy-context", "300", "--greedy-new-tokens", "12", "--free-running-shown", "8",
-                            "--free-running-tokens", "8", "--out", str(out)]) == 0
+                            "--free-running-tokens", "8", "--layers", "--draft", str(demo.draft_dir()),
+                            "--out", str(out)]) == 0
     data = json.loads(out.read_text())
     entry = data["targets"][0]
     assert entry["path"].endswith("target") and entry["weights"] and "git_commit" in data["environment"]
@@ -307,6 +310,9 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
     assert entry["held_out_document_tokens"] == len(doc)
     hf = transformers.AutoModelForCausalLM.from_pretrained(demo.target_dir(), dtype=torch.float32)
     seqs = copy_probe.copy_sequences(doc, hf.config.vocab_size, 24, 40, 2, seed=0)
+    draft = load_draft(demo.draft_dir(), load_target(demo.target_dir(), "float32"), dtype="float32")
+    used = np.asarray(draft.params["d2t"]) + np.arange(draft.params["d2t"].shape[0])
+    assert entry["draft"]["aux_layers"] == list(draft.aux_layers) and entry["draft"]["weights"]
     for row in entry["rows"]:
         with torch.no_grad():
             pred = hf(torch.as_tensor(seqs[row["kind"]], dtype=torch.long)).logits.argmax(-1).numpy()
@@ -322,6 +328,33 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
                                      min_new_tokens=8, do_sample=False)[0, 72:].tolist()
             assert ours == theirs and share == pytest.approx(float(np.mean(np.asarray(theirs) == seq[72:80])))
         assert free["match_share"] == pytest.approx(float(np.mean(free["per_passage"]["match_share"])))
+        # logit lens and draft agreement, recomputed from transformers' hidden states
+        with torch.no_grad():
+            hs = hf(torch.as_tensor(seqs[row["kind"]], dtype=torch.long), output_hidden_states=True).hidden_states
+        n = hf.config.num_hidden_layers
+        lens = row["layer_lens"]
+        assert lens["layers"] == [*range(1, n), "final"]
+        for i in range(1, n):
+            with torch.no_grad():
+                guess = hf.lm_head(hf.model.norm(hs[i])).argmax(-1).numpy()
+            _, theirs = copy_probe.copy_accuracy(guess, seqs[row["kind"]], 24, 40)
+            assert np.abs(np.asarray(lens["per_passage"])[:, i - 1] - theirs).max() <= 2 / 23
+        assert np.allclose(np.asarray(lens["per_passage"])[:, -1], row["per_passage"]["second"])
+        agree = row["draft_agreement"]
+        assert len(agree["first"]) == len(agree["second"]) == 4
+        aux = np.concatenate([hs[i].numpy() for i in draft.aux_layers], axis=-1)
+        for seq, feats, pred, a_first, a_second in zip(seqs[row["kind"]], aux, pred, agree["per_passage"]["first"],
+                                                       agree["per_passage"]["second"]):
+            # entry i (token i + 1, features of token i) guesses token i + 2 at step 0; the probe's TTT unroll of
+            # 4 steps leaves the sequence's last 2 tokens without a step-0 guess
+            _, lg = eagle3.forward(draft.config, draft.params, jnp.asarray(seq[None, 1:]),
+                                   jnp.asarray(feats[None, :-1]))
+            guess = used[np.asarray(lg[0]).argmax(-1)]
+            hits = np.full(len(seq), np.nan)
+            hits[2:] = guess[:-1] == pred[1:-1]
+            hits[len(seq) - 2:] = np.nan
+            ref = copy_probe.occurrence_means(hits, 24, 40)
+            assert abs(a_first[0] - ref[0]) <= 2 / 22 and abs(a_second[0] - ref[1]) <= 2 / 21
     # greedy writing: the same continuations from transformers' greedy generate, shares from the documents' text
     rep = entry["greedy_repetition"]
     docs = {e.name: e.ids for e in encode_documents(tok, build_corpus().held_out)}

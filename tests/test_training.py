@@ -103,6 +103,9 @@ def test_ttt_steps_match_the_engines_chain_equations(trained_target, corpus_stre
     window = jnp.asarray(stream.tokens[:18][None])
     t = 16
     _, aux = llama.forward_aux(target.config, target.params, window, aux_layers=(0, 2, 3))
+    n = target.config.num_hidden_layers
+    with pytest.raises(ValueError, match=f"0..{n - 1}"):  # index n is no layer's input: refused, never left out
+        llama.forward_aux(target.config, target.params, window, aux_layers=(0, n))
     steps = ttt_logits(cfg, params, aux[:, :t], window[:, 1:], 2)
     _, ref0 = eagle3.forward(cfg, params, window[:, 1:t + 1], aux[:, :t])
     np.testing.assert_allclose(steps[0], ref0, atol=2e-5)

@@ -306,8 +306,7 @@ def forward_aux(config: ModelConfig, params: Params, tokens: jax.Array, *, aux_l
         aux.extend((j, x) for j, a in enumerate(aux_layers) if a == i)
         x, _, _ = _attention_block(config, lp, x, cos, sin, attend, axis_name)
         x = _mlp_block(config, lp, x, axis_name)
-    aux_out = jnp.concatenate([a for _, a in sorted(aux, key=lambda p: p[0])], axis=-1) if aux_layers else None
-    return _lm_head(config, params, x, axis_name), aux_out
+    return _lm_head(config, params, x, axis_name), concat_aux(aux, aux_layers, len(params["layers"]))
 
 
 def concat_aux(aux: list, aux_layers: tuple[int, ...], num_layers: int) -> jax.Array | None:
