@@ -371,6 +371,9 @@ def test_copy_probe_on_the_demo_target_matches_transformers(tmp_path):
     with pytest.raises(SystemExit, match="at most --span"):
         copy_probe.main(["--span", "24", "--free-running-shown", "8", "--free-running-tokens", "20",
                          "--out", str(tmp_path / "bad.json")])
+    with pytest.raises(SystemExit, match="one per target"):
+        copy_probe.main(["--draft", str(demo.draft_dir()), "--draft", str(demo.draft_dir()),
+                         "--out", str(tmp_path / "bad.json")])
 
 
 def test_e2e_benchmark_quick(tmp_path):
