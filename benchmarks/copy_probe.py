@@ -151,7 +151,7 @@ def draft_agreement(model, draft, seq: np.ndarray, steps: int = 4) -> np.ndarray
     target's top-1 for token j (0 where it does not, NaN where step k has no prediction for j)."""
     import jax.numpy as jnp
 
-    from diffspec_jax.models import family
+    from diffspec_jax.models import eagle3, family
     from diffspec_jax.train_draft import ttt_logits
 
     cfg = model.config
@@ -159,10 +159,9 @@ def draft_agreement(model, draft, seq: np.ndarray, steps: int = 4) -> np.ndarray
     logits, aux = family(cfg).forward_aux(cfg, model.params, tokens, aux_layers=draft.aux_layers)
     top = np.asarray(jnp.argmax(logits[0], -1))           # top[i]: the target's guess for token i + 1
     t = len(seq) - steps
-    used = np.asarray(draft.params["d2t"]) + np.arange(draft.params["d2t"].shape[0])
     out = np.full((steps, len(seq)), np.nan)
     for k, lg in enumerate(ttt_logits(draft.config, draft.params, aux[:, :t], tokens[:, 1:], steps)):
-        guess = used[np.asarray(jnp.argmax(lg[0], -1))]   # entry i at step k guesses token i + 2 + k
+        guess = np.asarray(eagle3.to_target_ids(draft.params, jnp.argmax(lg[0], -1)))  # entry i: token i + 2 + k
         n = min(t, len(seq) - 2 - k)                          # tokens past the sequence's end are not scored
         out[k, 2 + k:2 + k + n] = guess[:n] == top[1 + k:1 + k + n]
     return out
