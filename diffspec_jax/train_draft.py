@@ -160,7 +160,7 @@ def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: 
                 ttt_steps: int = 4, draft_vocab: int | None = None, aux_layers: tuple[int, ...] | None = None,
                 optim: OptimConfig | None = None, ckpt_dir: str | Path | None = None, seed: int = 0,
                 attention: str = "dense", compute_dtype=jnp.bfloat16, eval_stream: TokenStream | None = None,
-                eval_every: int = 0, log_every: int = 20, progress: bool = True
+                eval_every: int = 0, log_every: int = 20, progress: bool = True, rope_theta: float = 10000.0
                 ) -> tuple[DraftConfig, dict, list[dict]]:
     """Train an EAGLE-3 draft for ``target``; returns ``(config, params incl. d2t and shared embed, history)``.
 
@@ -172,7 +172,7 @@ def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: 
                      draft_vocab=draft_vocab, aux_layers=aux_layers, seed=seed, attention=attention,
                      eval_stream=eval_stream, eval_every=eval_every, log_every=log_every)
     tc = target.config
-    cfg, used = plan_draft(target, stream, draft_vocab, aux_layers)
+    cfg, used = plan_draft(target, stream, draft_vocab, aux_layers, rope_theta)
     aux = cfg.aux_layer_ids
     if ckpt_dir is not None:
         check_checkpoints(ckpt_dir, target, cfg, used, steps)
@@ -204,13 +204,14 @@ def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: 
 
 
 def plan_draft(target: TargetModel, stream: TokenStream, draft_vocab: int | None,
-               aux_layers: tuple[int, ...] | None) -> tuple[DraftConfig, np.ndarray]:
-    """The draft's config and vocabulary (target ids, ascending) for this target and data."""
+               aux_layers: tuple[int, ...] | None, rope_theta: float = 10000.0) -> tuple[DraftConfig, np.ndarray]:
+    """The draft's config and vocabulary (target ids, ascending) for this target and data (``rope_theta``: the
+    draft's own RoPE base; a larger one keeps content matches over long distances in its attention)."""
     tc = target.config
     n = tc.num_hidden_layers
     aux = tuple(int(a) for a in aux_layers) if aux_layers is not None else (2, n // 2, n - 3)
     used = draft_vocabulary(stream.tokens, tc.vocab_size, draft_vocab or tc.vocab_size)
-    cfg = draft_config_for(target, len(used), aux)
+    cfg = draft_config_for(target, len(used), aux, rope_theta)
     cfg.resolve_aux_layers(tc)
     return cfg, used
 
@@ -221,7 +222,10 @@ RUN_RECORD = "diffspec_train_draft.json"
 RECORD_NAMES = {"target": "the target's shape (--target)", "draft_vocab": "the draft vocabulary size (--draft-vocab)",
                 "draft_vocab_ids_sha256": "the draft vocabulary's ids differ (they are the most frequent ids of "
                                           "--data: the training data changed)",
-                "aux_layers": "the target layers read (--aux-layers)"}
+                "aux_layers": "the target layers read (--aux-layers)",
+                "rope_theta": "the draft's RoPE base (--rope-theta)"}
+#: what a record written before an entry existed meant by it
+RECORD_DEFAULTS = {"rope_theta": 10000.0}
 
 
 def run_record(target: TargetModel, cfg: DraftConfig, used: np.ndarray) -> dict:
@@ -231,7 +235,7 @@ def run_record(target: TargetModel, cfg: DraftConfig, used: np.ndarray) -> dict:
                                      "vocab_size": tc.vocab_size},
             "draft_vocab": int(len(used)),
             "draft_vocab_ids_sha256": hashlib.sha256(np.asarray(used, np.int64).tobytes()).hexdigest(),
-            "aux_layers": [int(a) for a in cfg.aux_layer_ids]}
+            "aux_layers": [int(a) for a in cfg.aux_layer_ids], "rope_theta": float(cfg.rope.theta)}
 
 
 def check_checkpoints(ckpt_dir: str | Path, target: TargetModel, cfg: DraftConfig, used: np.ndarray,
@@ -253,6 +257,8 @@ def check_checkpoints(ckpt_dir: str | Path, target: TargetModel, cfg: DraftConfi
             raise ConfigError(f"{file} is unreadable ({exc}); it describes the checkpoints beside it: choose another "
                               f"--ckpt-dir") from None
         new = run_record(target, cfg, used)
+        if isinstance(old, dict):
+            old = {**RECORD_DEFAULTS, **old}
         differ = [k for k in new if isinstance(old, dict) and old.get(k) != new[k]]
         if "draft_vocab" in differ:  # then the ids differ too
             differ.remove("draft_vocab_ids_sha256")
@@ -325,7 +331,8 @@ def read_texts(paths: list[str], field: str = "text") -> list[str]:
     return texts
 
 
-def _aux_arg(text: str) -> tuple[int, ...]:
+def aux_layers_arg(text: str) -> tuple[int, ...]:
+    """The argparse type of an aux-layers option: ``"0,3,5"`` -> (0, 3, 5), layer indices >= 0."""
     try:
         ids = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -353,7 +360,8 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--draft-vocab", type=int, default=None)
-    ap.add_argument("--aux-layers", type=_aux_arg, default=None, help="comma-separated HF hidden_states indices")
+    ap.add_argument("--aux-layers", type=aux_layers_arg, default=None, help="comma-separated HF hidden_states indices")
+    ap.add_argument("--rope-theta", type=float, default=10000.0, help="the draft's RoPE base (default 10000)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=200)
@@ -370,6 +378,7 @@ def check_cli_args(args) -> None:
     check_int(args.ttt_steps, "--ttt-steps", min=1)
     check_int(args.draft_vocab, "--draft-vocab", min=1, none_ok=True)
     check_real(args.lr, "--lr", min=0.0, min_open=True)
+    check_real(args.rope_theta, "--rope-theta", min=0.0, min_open=True)
     check_int(args.warmup, "--warmup", min=0)
     check_int(args.eval_every, "--eval-every", min=0)
     check_int(args.seed, "--seed", min=0)
@@ -404,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                          ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, aux_layers=args.aux_layers,
                          seed=args.seed, attention=args.attention, eval_stream=eval_stream,
                          eval_every=args.eval_every if eval_stream else 0)
-        cfg, used = plan_draft(target, stream, args.draft_vocab, args.aux_layers)
+        cfg, used = plan_draft(target, stream, args.draft_vocab, args.aux_layers, args.rope_theta)
         resumed = check_checkpoints(args.ckpt_dir or out.partial / "checkpoints", target, cfg, used, args.steps)
         with out as work:
             cfg, params, history = train_draft(
@@ -412,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                 draft_vocab=args.draft_vocab, aux_layers=args.aux_layers,
                 optim=OptimConfig(lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps),
                 ckpt_dir=args.ckpt_dir or work / "checkpoints", seed=args.seed, attention=args.attention,
-                eval_stream=eval_stream, eval_every=args.eval_every if eval_stream else 0)
+                eval_stream=eval_stream, eval_every=args.eval_every if eval_stream else 0, rope_theta=args.rope_theta)
             export_draft(work, cfg, params, history=history)
     except (DiffspecError, OSError) as exc:
         return report_error(exc)

@@ -402,13 +402,17 @@ def test_train_draft_out_is_safe(target_with_tokenizer, tmp_path, capsys):
     vocab = args.index("--draft-vocab") + 1
     for extra, needle in (((args[:vocab] + ["32"] + args[vocab + 1:]), "(--draft-vocab): 64 there, 32 here"),
                           (args + ["--steps", "1"], "at step 2, past the 1 steps asked for"),
+                          (args + ["--rope-theta", "5e5"], "(--rope-theta): 10000.0 there, 500000.0 here"),
                           (args + ["--ckpt-dir", str(foreign)], "holds 3/, named like a training step")):
         ckpt = [] if "--ckpt-dir" in extra else ["--ckpt-dir", str(ck)]
         assert main(extra + ckpt + ["--out", str(tmp_path / "again")]) == 2
         assert needle in one_line_error(capsys.readouterr().err)
         assert not (tmp_path / "again").exists() and siblings(tmp_path / "again") == []
     assert tree_digest(ck) == before and tree_digest(foreign) == theirs
-    # the same settings and --steps: nothing left to train, the checkpoint is exported
+    # the same settings and --steps: nothing left to train, the checkpoint is exported (a record written before
+    # --rope-theta existed meant the default base)
+    record = ck / "diffspec_train_draft.json"
+    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "rope_theta"}))
     assert main(args + ["--ckpt-dir", str(ck), "--out", str(tmp_path / "again")]) == 0
     assert "already held every step" in capsys.readouterr().out
     load_draft(tmp_path / "again", load_target(target_with_tokenizer, "float32"))

@@ -157,10 +157,12 @@ def test_train_draft_cli_on_text_and_jsonl(trained_target, corpus_stream, tmp_pa
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": d.text}) for d in corpus.train[1:4]))
     code = main(["--target", str(tmp_path / "target"), "--data", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"),
                  "--out", str(tmp_path / "draft"), "--steps", "4", "--batch", "2", "--seq-len", "32",
-                 "--ttt-steps", "3", "--draft-vocab", "128", "--aux-layers", "0,2,3", "--eval-every", "0"])
+                 "--ttt-steps", "3", "--draft-vocab", "128", "--aux-layers", "0,2,3", "--eval-every", "0",
+                 "--rope-theta", "500000"])
     assert code == 0
     draft = load_draft(tmp_path / "draft", load_target(tmp_path / "target", "float32"))
     assert draft.config.draft_vocab_size == 128 and draft.aux_layers == (0, 2, 3)
+    assert draft.config.rope.theta == 500000.0  # the draft's own RoPE base is written and read back
     assert (tmp_path / "draft" / "checkpoints").exists()
     assert main(["--target", str(tmp_path / "target"), "--data", str(tmp_path / "missing.txt"), "--out",
                  str(tmp_path / "x")]) == 2
@@ -544,7 +546,8 @@ def test_build_init_target_loads_an_earlier_build(tmp_path, tiny_dirs):
                        (["--target-steps", "0"], "give --init-target"),
                        (["--target-steps", "0", "--init-target", str(bare), "--curriculum", "64:2:2"],
                         "no --curriculum"),
-                       (["--target-steps", "-1"], "target-steps")):
+                       (["--target-steps", "-1"], "target-steps"),
+                       (["--draft-aux-layers", "0,3,6"], "draft-aux-layers entry")):
         with pytest.raises(ConfigError, match=match):  # refused before --out is cleared
             main(["--out", str(tmp_path / "out")] + bad)
         assert (inside / "config.json").is_file()

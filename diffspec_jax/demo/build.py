@@ -58,9 +58,9 @@ from diffspec_jax.engine import generate
 from diffspec_jax.errors import CheckpointError, ConfigError
 from diffspec_jax.outdir import OutputDir
 from diffspec_jax.target import TargetModel, load_target
-from diffspec_jax.train_draft import export_draft, train_draft
+from diffspec_jax.train_draft import aux_layers_arg, export_draft, train_draft
 from diffspec_jax.training import GreedyUnlikelihood, LoopWindows, OptimConfig, TokenStream, train_target
-from diffspec_jax.validation import ArgumentParser, check_choice, check_int, run_main
+from diffspec_jax.validation import ArgumentParser, check_choice, check_int, check_real, run_main
 
 #: the pair's chat template (written as ``target/chat_template.jinja``): the target is a small model of Python
 #: source, so a conversation is rendered as Python, the user's and system's messages as comments and the
@@ -83,9 +83,15 @@ ATTENTION = ("dense", "flash")
 MIN_VOCAB = 258
 
 
+#: the demo target's depth
+LAYERS = 6
+#: the draft's default aux layers: the inputs of a low, the middle and the last target layer
+DEFAULT_AUX = (2, LAYERS // 2, LAYERS - 1)
+
+
 def demo_target_config(vocab: int, eos: int, max_len: int) -> ModelConfig:
     return ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=256, intermediate_size=640,
-                       num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                       num_hidden_layers=LAYERS, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
                        rms_norm_eps=1e-5, max_position_embeddings=max_len, tie_word_embeddings=False,
                        rope=RopeConfig(theta=500000.0), dtype="bfloat16", bos_token_id=eos, eos_token_ids=(eos,))
 
@@ -332,6 +338,12 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--draft-batch", type=int, default=8)
     ap.add_argument("--draft-seq-len", type=int, default=2048)
     ap.add_argument("--draft-vocab", type=int, default=2048)
+    ap.add_argument("--draft-aux-layers", type=aux_layers_arg, default=None,
+                    help=f"target layers whose input states the draft reads, comma-separated (0: the token embeddings; "
+                         f"default {','.join(map(str, DEFAULT_AUX))}: low, middle and last layer)")
+    ap.add_argument("--draft-rope-theta", type=float, default=10000.0,
+                    help="the draft's RoPE base (default 10000; a larger one, such as the target's 500000, keeps its "
+                         "attention's content matches over long distances)")
     ap.add_argument("--eval-new-tokens", type=int, default=256)
     ap.add_argument("--eval-prompts", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
@@ -379,6 +391,9 @@ def check_settings(args) -> tuple[list[int], list[str]]:
     check_int(args.draft_vocab, "--draft-vocab", min=1, max=None if args.init_target else args.vocab,
               hint="" if args.init_target else f" (at most --vocab {args.vocab})")
     check_int(args.max_files, "--max-files", min=1, none_ok=True)
+    check_real(args.draft_rope_theta, "--draft-rope-theta", min=0.0, min_open=True)
+    for a in args.draft_aux_layers or ():
+        check_int(a, "--draft-aux-layers entry", min=0, max=LAYERS - 1, hint=f" (the demo target has {LAYERS} layers)")
     check_int(args.seed, "--seed", min=0)
     check_choice(args.attention, "--attention", ATTENTION)
     for policy in POLICIES:  # the evaluation's settings
@@ -515,14 +530,14 @@ def _build(args, argv, out: Path, contexts: list[int], workloads: list[str], par
     save_hf(out / "target", tcfg, params, dtype="bfloat16", max_shard_bytes=7 << 20)  # shards < 8 MiB
     target_f32 = TargetModel(tcfg, params)
 
-    n = tcfg.num_hidden_layers
     t0 = time.perf_counter()
     dcfg, dparams, d_hist = train_draft(
         target_f32, train_stream, steps=args.draft_steps, batch=args.draft_batch, seq_len=args.draft_seq_len,
-        ttt_steps=4, draft_vocab=args.draft_vocab, aux_layers=(2, n // 2, n - 1),
+        ttt_steps=4, draft_vocab=args.draft_vocab, aux_layers=args.draft_aux_layers or DEFAULT_AUX,
         optim=OptimConfig(lr=2e-3, warmup_steps=max(1, args.draft_steps // 20), total_steps=args.draft_steps),
         ckpt_dir=out / "ckpt_draft", seed=args.seed, attention=args.attention, eval_stream=held_stream,
-        eval_every=max(1, args.draft_steps // 4), log_every=max(1, args.draft_steps // 20), progress=False)
+        eval_every=max(1, args.draft_steps // 4), log_every=max(1, args.draft_steps // 20), progress=False,
+        rope_theta=args.draft_rope_theta)
     for row in d_hist:
         print("draft", json.dumps(row), flush=True)
     export_draft(out / "draft", dcfg, dparams, dtype="bfloat16")
