@@ -54,10 +54,12 @@ TOOL = "diffspec_jax.train_draft"
 ATTENTION = ("dense", "flash")
 
 FROZEN_KEYS = ("embed", "d2t")
+#: the draft's RoPE base unless one is given (RopeConfig's default, which a draft config without one also means)
+DEFAULT_ROPE_THETA = RopeConfig().theta
 
 
 def draft_config_for(target: TargetModel, draft_vocab: int, aux_layers: tuple[int, ...],
-                     rope_theta: float = 10000.0) -> DraftConfig:
+                     rope_theta: float = DEFAULT_ROPE_THETA) -> DraftConfig:
     """A draft shaped like one target layer (hidden size, heads, head_dim, intermediate size)."""
     tc = target.config
     return DraftConfig(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
@@ -160,7 +162,8 @@ def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: 
                 ttt_steps: int = 4, draft_vocab: int | None = None, aux_layers: tuple[int, ...] | None = None,
                 optim: OptimConfig | None = None, ckpt_dir: str | Path | None = None, seed: int = 0,
                 attention: str = "dense", compute_dtype=jnp.bfloat16, eval_stream: TokenStream | None = None,
-                eval_every: int = 0, log_every: int = 20, progress: bool = True, rope_theta: float = 10000.0
+                eval_every: int = 0, log_every: int = 20, progress: bool = True,
+                rope_theta: float = DEFAULT_ROPE_THETA
                 ) -> tuple[DraftConfig, dict, list[dict]]:
     """Train an EAGLE-3 draft for ``target``; returns ``(config, params incl. d2t and shared embed, history)``.
 
@@ -204,7 +207,8 @@ def train_draft(target: TargetModel, stream: TokenStream, *, steps: int, batch: 
 
 
 def plan_draft(target: TargetModel, stream: TokenStream, draft_vocab: int | None,
-               aux_layers: tuple[int, ...] | None, rope_theta: float = 10000.0) -> tuple[DraftConfig, np.ndarray]:
+               aux_layers: tuple[int, ...] | None, rope_theta: float = DEFAULT_ROPE_THETA
+               ) -> tuple[DraftConfig, np.ndarray]:
     """The draft's config and vocabulary (target ids, ascending) for this target and data (``rope_theta``: the
     draft's own RoPE base; a larger one keeps content matches over long distances in its attention)."""
     tc = target.config
@@ -225,7 +229,7 @@ RECORD_NAMES = {"target": "the target's shape (--target)", "draft_vocab": "the d
                 "aux_layers": "the target layers read (--aux-layers)",
                 "rope_theta": "the draft's RoPE base (--rope-theta)"}
 #: what a record written before an entry existed meant by it
-RECORD_DEFAULTS = {"rope_theta": 10000.0}
+RECORD_DEFAULTS = {"rope_theta": DEFAULT_ROPE_THETA}
 
 
 def run_record(target: TargetModel, cfg: DraftConfig, used: np.ndarray) -> dict:
@@ -361,7 +365,8 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--draft-vocab", type=int, default=None)
     ap.add_argument("--aux-layers", type=aux_layers_arg, default=None, help="comma-separated HF hidden_states indices")
-    ap.add_argument("--rope-theta", type=float, default=10000.0, help="the draft's RoPE base (default 10000)")
+    ap.add_argument("--rope-theta", type=float, default=DEFAULT_ROPE_THETA,
+                    help=f"the draft's RoPE base (default {DEFAULT_ROPE_THETA:g})")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--eval-every", type=int, default=200)

@@ -58,7 +58,7 @@ from diffspec_jax.engine import generate
 from diffspec_jax.errors import CheckpointError, ConfigError
 from diffspec_jax.outdir import OutputDir
 from diffspec_jax.target import TargetModel, load_target
-from diffspec_jax.train_draft import aux_layers_arg, export_draft, train_draft
+from diffspec_jax.train_draft import DEFAULT_ROPE_THETA, aux_layers_arg, export_draft, train_draft
 from diffspec_jax.training import GreedyUnlikelihood, LoopWindows, OptimConfig, TokenStream, train_target
 from diffspec_jax.validation import ArgumentParser, check_choice, check_int, check_real, run_main
 
@@ -341,9 +341,9 @@ def build_parser() -> ArgumentParser:
     ap.add_argument("--draft-aux-layers", type=aux_layers_arg, default=None,
                     help=f"target layers whose input states the draft reads, comma-separated (0: the token embeddings; "
                          f"default {','.join(map(str, DEFAULT_AUX))}: low, middle and last layer)")
-    ap.add_argument("--draft-rope-theta", type=float, default=10000.0,
-                    help="the draft's RoPE base (default 10000; a larger one, such as the target's 500000, keeps its "
-                         "attention's content matches over long distances)")
+    ap.add_argument("--draft-rope-theta", type=float, default=DEFAULT_ROPE_THETA,
+                    help=f"the draft's RoPE base (default {DEFAULT_ROPE_THETA:g}; a larger one, such as the target's "
+                         f"500000, keeps its attention's content matches over long distances)")
     ap.add_argument("--eval-new-tokens", type=int, default=256)
     ap.add_argument("--eval-prompts", type=int, default=3)
     ap.add_argument("--k", type=int, default=4)
